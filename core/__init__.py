@@ -1,0 +1,105 @@
+"""purestep.core: pure-functional optimizers, schedules and training-step pieces for PyTorch.
+
+Everything here is a pure function over pytrees of tensors (`torch.utils._pytree`):
+`state = t.init(params)`, `updates, state = t.update(grads, state, params)`,
+`params = apply_updates(params, updates)`.
+"""
+
+from ._base import EmptyState as EmptyState
+from ._base import Schedule as Schedule
+from ._base import Transform as Transform
+from ._combine import AccumulateState as AccumulateState
+from ._combine import ApplyIfFiniteState as ApplyIfFiniteState
+from ._combine import InjectHyperparamsState as InjectHyperparamsState
+from ._combine import MaskedState as MaskedState
+from ._combine import PartitionState as PartitionState
+from ._combine import accumulate as accumulate
+from ._combine import apply_if_finite as apply_if_finite
+from ._combine import chain as chain
+from ._combine import identity as identity
+from ._combine import inject_hyperparams as inject_hyperparams
+from ._combine import masked as masked
+from ._combine import partition as partition
+from ._combine import set_hyperparam as set_hyperparam
+from ._decay import AddDecayedWeightsState as AddDecayedWeightsState
+from ._decay import add_decayed_weights as add_decayed_weights
+from ._optimizers import adam as adam
+from ._optimizers import adamw as adamw
+from ._optimizers import lamb as lamb
+from ._optimizers import lars as lars
+from ._optimizers import lion as lion
+from ._optimizers import sgd as sgd
+from ._scaling import ScaleByAdamState as ScaleByAdamState
+from ._scaling import ScaleByLionState as ScaleByLionState
+from ._scaling import ScaleByLrState as ScaleByLrState
+from ._scaling import TraceState as TraceState
+from ._scaling import scale as scale
+from ._scaling import scale_by_adam as scale_by_adam
+from ._scaling import scale_by_lion as scale_by_lion
+from ._scaling import scale_by_lr as scale_by_lr
+from ._scaling import scale_by_trust_ratio as scale_by_trust_ratio
+from ._scaling import trace as trace
+from ._tree import apply_updates as apply_updates
+from ._tree import apply_updates_ as apply_updates_
+from ._tree import tree_cast as tree_cast
+from ._tree import tree_flatten_with_path as tree_flatten_with_path
+from ._tree import tree_get as tree_get
+from ._tree import tree_global_norm as tree_global_norm
+from ._tree import tree_map_with_path as tree_map_with_path
+from ._tree import tree_paths as tree_paths
+from ._tree import tree_set as tree_set
+from ._tree import tree_unflatten as tree_unflatten
+from ._tree import tree_zeros_like as tree_zeros_like
+
+__all__ = [
+    # base
+    "Transform",
+    "EmptyState",
+    "Schedule",
+    # trees
+    "apply_updates",
+    "apply_updates_",
+    "tree_get",
+    "tree_set",
+    "tree_map_with_path",
+    "tree_flatten_with_path",
+    "tree_unflatten",
+    "tree_paths",
+    "tree_zeros_like",
+    "tree_global_norm",
+    "tree_cast",
+    # combinators
+    "chain",
+    "masked",
+    "partition",
+    "inject_hyperparams",
+    "set_hyperparam",
+    "apply_if_finite",
+    "accumulate",
+    "identity",
+    "MaskedState",
+    "PartitionState",
+    "InjectHyperparamsState",
+    "ApplyIfFiniteState",
+    "AccumulateState",
+    # building blocks
+    "scale",
+    "scale_by_lr",
+    "trace",
+    "scale_by_adam",
+    "scale_by_lion",
+    "scale_by_trust_ratio",
+    "add_decayed_weights",
+    "ScaleByLrState",
+    "TraceState",
+    "ScaleByAdamState",
+    "ScaleByLionState",
+    "AddDecayedWeightsState",
+    # optimizers
+    "sgd",
+    "adam",
+    "adamw",
+    "lion",
+    "lamb",
+    "lars",
+]

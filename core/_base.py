@@ -1,0 +1,124 @@
+"""Types shared by every transform: `Transform`, states, schedules, hyperparameter checks."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple, Protocol, Union
+
+import torch
+from torch import Tensor
+
+PyTree = Any
+Params = PyTree  # usually dict(name -> Tensor), as model.named_parameters() gives
+Updates = PyTree
+OptState = PyTree
+
+
+class Schedule(Protocol):
+    """A callable `step -> value`; `step` is an int or a 0-d tensor."""
+
+    def __call__(self, step: int | Tensor) -> float | Tensor: ...
+
+
+ScalarOrSchedule = Union[float, Tensor, Schedule]
+
+
+class Transform(NamedTuple):
+    """A pure gradient transformation: `state = init(params)`,
+    `updates, state = update(grads, state, params=None, **extra)`.
+
+    Updates are added to params (`apply_updates`). `update` ignores `extra`
+    keywords it does not know, so transforms compose under `chain`.
+
+    Example:
+        >>> import torch, purestep.core as ps
+        >>> t = ps.scale(-0.1)
+        >>> params = {"w": torch.ones(2)}
+        >>> updates, state = t.update({"w": torch.ones(2)}, t.init(params))
+        >>> updates["w"]
+        tensor([-0.1000, -0.1000])
+    """
+
+    init: Callable[[Params], OptState]
+    update: Callable[..., tuple[Updates, OptState]]
+
+
+class EmptyState(NamedTuple):
+    """State of a transform that keeps none."""
+
+
+# --------------------------------------------------------------------------- #
+# Scalars: counts, hyperparameters and schedules.
+# --------------------------------------------------------------------------- #
+
+
+def leaf_device(leaves: list[Tensor]) -> torch.device:
+    """The device that a state's scalars live on: the first leaf's, else CPU."""
+    return leaves[0].device if leaves else torch.device("cpu")
+
+
+def zero_count(device: torch.device) -> Tensor:
+    """A fresh step counter."""
+    return torch.zeros((), dtype=torch.int64, device=device)
+
+
+def as_float64(value: float | Tensor, device: torch.device) -> Tensor:
+    """`value` as a 0-d float64 tensor on `device`."""
+    if isinstance(value, Tensor):
+        return value.to(device=device, dtype=torch.float64)
+    return torch.tensor(value, dtype=torch.float64, device=device)
+
+
+def resolve(value: ScalarOrSchedule, count: Tensor) -> float | Tensor:
+    """The value of a float-or-schedule hyperparameter after `count` updates.
+
+    Floats and tensors are returned as they are; a schedule is called with the
+    count as a 0-d float64 tensor and its value returned as 0-d float64.
+    """
+    if callable(value):
+        step = count.to(torch.float64)
+        return as_float64(value(step), count.device)
+    return value
+
+
+def is_static(value: Any) -> bool:
+    """True when `value` is a plain number whose range can be checked now."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_nonnegative(name: str, value: Any) -> None:
+    if is_static(value) and not value >= 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+
+
+def check_positive(name: str, value: Any) -> None:
+    if is_static(value) and not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+
+
+def check_beta(name: str, value: Any) -> None:
+    if is_static(value) and not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+
+
+def check_hyperparam(name: str, value: Any) -> None:
+    """Refuse what is neither a number, a 0-d tensor nor a schedule."""
+    if callable(value) or is_static(value):
+        if is_static(value) and not math.isfinite(value):
+            raise ValueError(f"{name} must be finite, got {value!r}")
+        return
+    if isinstance(value, Tensor) and value.dim() == 0:
+        return
+    raise ValueError(
+        f"{name} must be a float, a 0-d tensor or a schedule (step -> value), got {value!r}"
+    )
+
+
+def check_betas(value: Any, name: str = "betas") -> tuple[Any, Any]:
+    """Unpack and check a `(beta1, beta2)` pair."""
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise ValueError(f"{name} must be a pair (beta1, beta2), got {value!r}")
+    for i, beta in enumerate(value):
+        check_hyperparam(f"{name}[{i}]", beta)
+        check_beta(f"{name}[{i}]", beta)
+    return value[0], value[1]

@@ -1,0 +1,386 @@
+"""Combinators: chain, masked, partition, inject_hyperparams, apply_if_finite, accumulate."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Mapping, NamedTuple
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from . import _tree as tr
+from ._base import EmptyState, OptState, Params, PyTree, Transform, as_float64, leaf_device, resolve, zero_count
+
+
+def identity() -> Transform:
+    """The transform that returns its grads unchanged.
+
+    Example:
+        >>> import torch, purestep.core as ps
+        >>> t = ps.identity()
+        >>> t.update({"w": torch.ones(1)}, t.init({"w": torch.ones(1)}))[0]
+        {'w': tensor([1.])}
+    """
+
+    def init(params: Params) -> EmptyState:
+        return EmptyState()
+
+    def update(grads, state, params=None, **extra):
+        return grads, state
+
+    return Transform(init, update)
+
+
+def chain(*transforms: Transform) -> Transform:
+    """Apply `transforms` in order; the state is the tuple of their states.
+
+    Example:
+        >>> import torch, purestep.core as ps
+        >>> t = ps.chain(ps.scale(2.0), ps.scale(-0.5))
+        >>> t.update({"w": torch.ones(1)}, t.init({"w": torch.ones(1)}))[0]
+        {'w': tensor([-1.])}
+    """
+    for i, t in enumerate(transforms):
+        if not isinstance(t, Transform):
+            raise ValueError(f"chain argument {i} is {type(t).__name__}, not a Transform")
+
+    def init(params: Params) -> tuple:
+        return tuple(t.init(params) for t in transforms)
+
+    def update(grads, state, params=None, **extra):
+        if len(state) != len(transforms):
+            raise ValueError(f"chain state has {len(state)} entries for {len(transforms)} transforms")
+        new_state = []
+        for t, s in zip(transforms, state):
+            grads, s = t.update(grads, s, params, **extra)
+            new_state.append(s)
+        return grads, tuple(new_state)
+
+    return Transform(init, update)
+
+
+# --------------------------------------------------------------------------- #
+# Routing leaves: masked and partition.
+# --------------------------------------------------------------------------- #
+
+
+def _leaf_tags(spec_tree: Any, tree: PyTree, what: str, kind: type) -> list:
+    """Flatten a bool/str tree (or `callable(tree)`) that must match `tree` leaf for leaf."""
+    if callable(spec_tree):
+        spec_tree = spec_tree(tree)
+    leaves, spec = pytree.tree_flatten(tree)
+    if isinstance(spec_tree, kind):
+        return [spec_tree] * len(leaves)  # one value for every leaf
+    tags, tag_spec = pytree.tree_flatten(spec_tree)
+    if tag_spec != spec:
+        raise ValueError(
+            f"{what} must have the structure of params ({len(leaves)} leaves: "
+            f"{', '.join(tr.tree_paths(tree)[:4])}...), got {len(tags)} leaves"
+        )
+    for path, tag in zip(tr.tree_paths(tree), tags):
+        if not isinstance(tag, kind):
+            raise ValueError(f"{what} leaf '{path}' is {tag!r}, expected a {kind.__name__}")
+    return tags
+
+
+def _subtree(tree: PyTree, keep: list[bool]) -> dict[str, Any]:
+    pairs, _ = tr.tree_flatten_with_path(tree)
+    return {p: x for (p, x), k in zip(pairs, keep) if k}
+
+
+def _sub_extra(extra: dict, spec: pytree.TreeSpec, keep: list[bool]) -> dict:
+    """Extra keyword trees shaped like the grads are routed the same way."""
+    out = {}
+    for k, v in extra.items():
+        if pytree.tree_structure(v) == spec and spec.num_leaves > 0:
+            v = _subtree(v, keep)
+        out[k] = v
+    return out
+
+
+class MaskedState(NamedTuple):
+    inner_state: OptState
+
+
+def masked(inner: Transform, mask: Any) -> Transform:
+    """Apply `inner` to the leaves where `mask` is True; pass the others through.
+
+    `inner` sees the selected leaves as a flat `dict(path -> tensor)`.
+
+    Args:
+      inner: the transform to apply.
+      mask: a bool pytree with the structure of params, or `callable(params) -> bool pytree`.
+
+    Example:
+        >>> import torch, purestep.core as ps
+        >>> t = ps.masked(ps.scale(0.0), {"w": True, "b": False})
+        >>> p = {"w": torch.ones(1), "b": torch.ones(1)}
+        >>> t.update(p, t.init(p))[0]
+        {'w': tensor([0.]), 'b': tensor([1.])}
+    """
+
+    def init(params: Params) -> MaskedState:
+        keep = _leaf_tags(mask, params, "mask", bool)
+        return MaskedState(inner.init(_subtree(params, keep)))
+
+    def update(grads, state, params=None, **extra):
+        keep = _leaf_tags(mask, params if params is not None else grads, "mask", bool)
+        leaves, spec = pytree.tree_flatten(grads)
+        paths = tr.tree_paths(grads)
+        sub_params = None if params is None else _subtree(params, keep)
+        sub_updates, inner_state = inner.update(
+            _subtree(grads, keep), state.inner_state, sub_params, **_sub_extra(extra, spec, keep)
+        )
+        out = [sub_updates[p] if k else g for p, k, g in zip(paths, keep, leaves)]
+        return pytree.tree_unflatten(out, spec), MaskedState(inner_state)
+
+    return Transform(init, update)
+
+
+class PartitionState(NamedTuple):
+    inner_states: dict[str, OptState]
+
+
+def partition(transforms: Mapping[str, Transform], labels: Any) -> Transform:
+    """Route each leaf to the transform named by its label.
+
+    Each transform sees its leaves as a flat `dict(path -> tensor)`.
+
+    Args:
+      transforms: label -> transform.
+      labels: a str pytree with the structure of params, or `callable(params) -> str pytree`.
+
+    Example:
+        >>> import torch, purestep.core as ps
+        >>> t = ps.partition({"a": ps.scale(2.0), "b": ps.scale(0.0)}, {"w": "a", "v": "b"})
+        >>> p = {"w": torch.ones(1), "v": torch.ones(1)}
+        >>> t.update(p, t.init(p))[0]
+        {'w': tensor([2.]), 'v': tensor([0.])}
+    """
+    transforms = dict(transforms)
+
+    def tags(tree: PyTree) -> list[str]:
+        out = _leaf_tags(labels, tree, "labels", str)
+        for path, label in zip(tr.tree_paths(tree), out):
+            if label not in transforms:
+                raise ValueError(
+                    f"labels leaf '{path}' is {label!r}, which is not one of the transforms "
+                    f"{sorted(transforms)}"
+                )
+        return out
+
+    def init(params: Params) -> PartitionState:
+        lab = tags(params)
+        return PartitionState(
+            {name: t.init(_subtree(params, [x == name for x in lab])) for name, t in transforms.items()}
+        )
+
+    def update(grads, state, params=None, **extra):
+        lab = tags(params if params is not None else grads)
+        leaves, spec = pytree.tree_flatten(grads)
+        paths = tr.tree_paths(grads)
+        out = list(leaves)
+        new_states = {}
+        for name, t in transforms.items():
+            keep = [x == name for x in lab]
+            sub_params = None if params is None else _subtree(params, keep)
+            sub_updates, new_states[name] = t.update(
+                _subtree(grads, keep), state.inner_states[name], sub_params, **_sub_extra(extra, spec, keep)
+            )
+            for i, k in enumerate(keep):
+                if k:
+                    out[i] = sub_updates[paths[i]]
+        return pytree.tree_unflatten(out, spec), PartitionState(new_states)
+
+    return Transform(init, update)
+
+
+# --------------------------------------------------------------------------- #
+# Hyperparameters in state.
+# --------------------------------------------------------------------------- #
+
+
+class InjectHyperparamsState(NamedTuple):
+    count: Tensor  # (), int64
+    hyperparams: dict[str, Any]  # name -> 0-d float64 tensor (or a tuple of them)
+    inner_state: OptState
+
+
+_ALWAYS_STATIC = ("mask", "labels", "weight_decay_mask", "trust_ratio_mask")
+
+
+def _injectable(value: Any) -> bool:
+    if isinstance(value, bool) or isinstance(value, str) or value is None:
+        return False
+    if isinstance(value, float) or callable(value):
+        return True
+    if isinstance(value, Tensor):
+        return value.dim() == 0
+    if isinstance(value, (tuple, list)):
+        return len(value) > 0 and all(_injectable(v) for v in value)
+    return False
+
+
+def inject_hyperparams(factory: Callable[..., Transform], *, static_args: tuple[str, ...] = ()) -> Callable[..., Transform]:
+    """Wrap `factory` so its hyperparameters live in state as 0-d float64 tensors.
+
+    Floats, 0-d tensors, schedules (callables) and tuples of them are injected;
+    ints, bools, strings, None, mask/label callables and names in `static_args` stay
+    static. Schedules are evaluated at the update count each step, and the value used
+    is kept in `state.hyperparams`; change a constant one with `set_hyperparam`.
+
+    Example:
+        >>> import torch, purestep.core as ps
+        >>> opt = ps.inject_hyperparams(ps.sgd)(lr=0.1)
+        >>> state = opt.init({"w": torch.ones(1)})
+        >>> state = ps.set_hyperparam(state, "lr", 0.0)
+        >>> opt.update({"w": torch.ones(1)}, state, {"w": torch.ones(1)})[0]
+        {'w': tensor([-0.])}
+    """
+    signature = inspect.signature(factory)
+    static_names = set(_ALWAYS_STATIC) | set(static_args)
+
+    def wrapped(*args: Any, **kwargs: Any) -> Transform:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        factory(**arguments)  # validate now, with the values as given
+        dynamic = {k: v for k, v in arguments.items() if k not in static_names and _injectable(v)}
+        static = {k: v for k, v in arguments.items() if k not in dynamic}
+
+        def values(count: Tensor, stored: dict | None) -> dict[str, Any]:
+            out = {}
+            for name, v in dynamic.items():
+                if isinstance(v, (tuple, list)):
+                    out[name] = tuple(
+                        _value(x, count, None if stored is None else stored[name][i]) for i, x in enumerate(v)
+                    )
+                else:
+                    out[name] = _value(v, count, None if stored is None else stored[name])
+            return out
+
+        def init(params: Params) -> InjectHyperparamsState:
+            count = zero_count(leaf_device(pytree.tree_leaves(params)))
+            hp = values(count, None)
+            return InjectHyperparamsState(count, hp, factory(**hp, **static).init(params))
+
+        def update(grads, state, params=None, **extra):
+            hp = values(state.count, state.hyperparams)
+            updates, inner_state = factory(**hp, **static).update(grads, state.inner_state, params, **extra)
+            return updates, InjectHyperparamsState(state.count + 1, hp, inner_state)
+
+        return Transform(init, update)
+
+    return wrapped
+
+
+def _value(v: Any, count: Tensor, stored: Tensor | None) -> Tensor:
+    if callable(v):
+        return resolve(v, count)
+    if stored is not None:
+        return stored
+    return as_float64(v, count.device)
+
+
+def set_hyperparam(state: OptState, name: str, value: Any) -> OptState:
+    """A new state with the injected hyperparameter `name` set to `value`.
+
+    A hyperparameter that follows a schedule is overwritten by the schedule next step.
+    Raises `KeyError` when no (or more than one) injected state holds `name`.
+    """
+    found = [(path, hp) for path, hp in tr.find_all(state, "hyperparams") if isinstance(hp, dict) and name in hp]
+    if not found:
+        names = sorted({k for _, hp in tr.find_all(state, "hyperparams") if isinstance(hp, dict) for k in hp})
+        raise KeyError(
+            f"no injected hyperparameter {name!r}; injected: {names or 'none'} "
+            "(build the optimizer with ps.inject_hyperparams(factory)(...))"
+        )
+    if len(found) > 1:
+        raise KeyError(f"hyperparameter {name!r} is ambiguous: found under {[tr.path_str(p) for p, _ in found]}")
+    path, hp = found[0]
+    old = hp[name]
+    if isinstance(old, tuple):
+        if not isinstance(value, (tuple, list)) or len(value) != len(old):
+            raise ValueError(f"{name} must be a tuple of {len(old)} values, got {value!r}")
+        new = tuple(torch.as_tensor(v, dtype=o.dtype, device=o.device).clone() for v, o in zip(value, old))
+    else:
+        new = torch.as_tensor(value, dtype=old.dtype, device=old.device).clone()
+    return tr.replace_at(state, path, {**hp, name: new})
+
+
+# --------------------------------------------------------------------------- #
+# Skipping and accumulating.
+# --------------------------------------------------------------------------- #
+
+
+def _select_tree(cond: Tensor, new: PyTree, old: PyTree) -> PyTree:
+    return pytree.tree_map(lambda a, b: torch.where(cond, a, b), new, old)
+
+
+class ApplyIfFiniteState(NamedTuple):
+    notfinite_count: Tensor  # (), int64: consecutive non-finite steps
+    last_finite: Tensor  # (), bool
+    total_notfinite: Tensor  # (), int64
+    inner_state: OptState
+
+
+def apply_if_finite(inner: Transform, max_consecutive: int | None = None) -> Transform:
+    """Skip the update (zeros, inner state unchanged) when any grad is non-finite.
+
+    After more than `max_consecutive` non-finite steps in a row the update is applied
+    anyway (as `optax.apply_if_finite`), so a run that only produces NaNs fails visibly;
+    `None` skips forever.
+    """
+    if max_consecutive is not None and (isinstance(max_consecutive, bool) or max_consecutive < 0):
+        raise ValueError(f"max_consecutive must be an int >= 0 or None, got {max_consecutive!r}")
+
+    def init(params: Params) -> ApplyIfFiniteState:
+        z = zero_count(leaf_device(pytree.tree_leaves(params)))
+        return ApplyIfFiniteState(z, torch.ones((), dtype=torch.bool, device=z.device), z.clone(), inner.init(params))
+
+    def update(grads, state, params=None, **extra):
+        finite = tr.all_finite(pytree.tree_leaves(grads)).to(state.last_finite.device)
+        notfinite = torch.where(finite, torch.zeros_like(state.notfinite_count), state.notfinite_count + 1)
+        apply = finite if max_consecutive is None else finite | (notfinite > max_consecutive)
+        updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
+        updates = pytree.tree_map(lambda u: torch.where(apply, u, torch.zeros_like(u)), updates)
+        inner_state = _select_tree(apply, inner_state, state.inner_state)
+        total = state.total_notfinite + (~finite).to(torch.int64)
+        return updates, ApplyIfFiniteState(notfinite, finite, total, inner_state)
+
+    return Transform(init, update)
+
+
+class AccumulateState(NamedTuple):
+    mini_step: Tensor  # (), int64: grads accumulated since the last update
+    acc_grads: PyTree
+    inner_state: OptState
+
+
+def accumulate(inner: Transform, every: int) -> Transform:
+    """Gradient accumulation: apply `inner` to the mean of every `every` grads.
+
+    Calls in between return zero updates and leave the inner state unchanged.
+    """
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"every must be an int >= 1, got {every!r}")
+
+    def init(params: Params) -> AccumulateState:
+        leaves = pytree.tree_leaves(params)
+        return AccumulateState(zero_count(leaf_device(leaves)), tr.tree_zeros_like(params), inner.init(params))
+
+    def update(grads, state, params=None, **extra):
+        gs = tr.check_match(grads, state.acc_grads, "grads", "params")
+        acc, spec = pytree.tree_flatten(state.acc_grads)
+        summed = tr.add(acc, gs)
+        ready = state.mini_step == every - 1
+        mean = pytree.tree_unflatten(tr.mul(summed, 1.0 / every), spec)
+        updates, inner_state = inner.update(mean, state.inner_state, params, **extra)
+        updates = pytree.tree_map(lambda u: torch.where(ready, u, torch.zeros_like(u)), updates)
+        inner_state = _select_tree(ready, inner_state, state.inner_state)
+        acc = [torch.where(ready, torch.zeros_like(s), s) for s in summed]
+        mini = torch.where(ready, torch.zeros_like(state.mini_step), state.mini_step + 1)
+        return updates, AccumulateState(mini, pytree.tree_unflatten(acc, spec), inner_state)
+
+    return Transform(init, update)

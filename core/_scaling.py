@@ -1,0 +1,219 @@
+"""Building blocks that rescale updates: scale, scale_by_lr, trace, scale_by_adam, ...
+
+The update rules are written once, on the optimizer aliases in `_optimizers.py`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from . import _tree as tr
+from ._base import (
+    EmptyState,
+    Params,
+    ScalarOrSchedule,
+    Transform,
+    check_beta,
+    check_betas,
+    check_hyperparam,
+    check_nonnegative,
+    check_positive,
+    leaf_device,
+    resolve,
+    zero_count,
+)
+
+
+def scale(factor: float | Tensor) -> Transform:
+    """Multiply updates by a constant `factor`.
+
+    Example:
+        >>> import torch, purestep.core as ps
+        >>> t = ps.scale(-2.0)
+        >>> t.update({"w": torch.ones(1)}, t.init({"w": torch.ones(1)}))[0]
+        {'w': tensor([-2.])}
+    """
+    check_hyperparam("factor", factor)
+    if callable(factor):
+        raise ValueError("factor must be a constant; use scale_by_lr for a schedule")
+
+    def init(params: Params) -> EmptyState:
+        return EmptyState()
+
+    def update(grads, state, params=None, **extra):
+        leaves, spec = pytree.tree_flatten(grads)
+        return pytree.tree_unflatten(tr.cast_like(tr.mul(leaves, factor), leaves), spec), state
+
+    return Transform(init, update)
+
+
+class ScaleByLrState(NamedTuple):
+    count: Tensor  # (), int64: updates applied, the schedule's step
+
+
+def scale_by_lr(lr: ScalarOrSchedule) -> Transform:
+    """Multiply updates by `-lr`; `lr` is a float, a 0-d tensor or a schedule.
+
+    A schedule is evaluated at the number of updates already applied.
+
+    Example:
+        >>> import torch, purestep.core as ps
+        >>> t = ps.scale_by_lr(lambda step: 0.1 * (step + 1))
+        >>> p = {"w": torch.ones(1)}
+        >>> u, s = t.update(p, t.init(p))
+        >>> u, s = t.update(p, s)
+        >>> u
+        {'w': tensor([-0.2000])}
+    """
+    check_hyperparam("lr", lr)
+    check_nonnegative("lr", lr)
+
+    def init(params: Params) -> EmptyState | ScaleByLrState:
+        if callable(lr):
+            return ScaleByLrState(zero_count(leaf_device(pytree.tree_leaves(params))))
+        return EmptyState()
+
+    def update(grads, state, params=None, **extra):
+        leaves, spec = pytree.tree_flatten(grads)
+        if callable(lr):
+            value = resolve(lr, state.count)
+            state = ScaleByLrState(state.count + 1)
+        else:
+            value = lr
+        return pytree.tree_unflatten(tr.cast_like(tr.mul(leaves, -value), leaves), spec), state
+
+    return Transform(init, update)
+
+
+class TraceState(NamedTuple):
+    count: Tensor  # (), int64
+    trace: Params
+
+
+def trace(decay: ScalarOrSchedule, nesterov: bool = False, *, dampening: float = 0.0) -> Transform:
+    """Momentum: `t ← decay·t + (1 - dampening)·g`, update `t` (or `g + decay·t` with nesterov).
+
+    As in `torch.optim.SGD`, the first step sets `t ← g` without dampening.
+    With `dampening=0` this is `optax.trace`.
+    """
+    check_hyperparam("decay", decay)
+    check_nonnegative("decay", decay)
+    check_nonnegative("dampening", dampening)
+
+    def init(params: Params) -> TraceState:
+        leaves = pytree.tree_leaves(params)
+        return TraceState(zero_count(leaf_device(leaves)), tr.tree_zeros_like(params))
+
+    def update(grads, state, params=None, **extra):
+        gs = tr.check_match(grads, state.trace, "grads", "params")
+        ts, spec = pytree.tree_flatten(state.trace)
+        m = resolve(decay, state.count)
+        if dampening:
+            # torch.optim.SGD: the first buffer is the grad itself, undamped.
+            first = (state.count == 0).to(torch.float64)
+            g_coef = first + (1.0 - first) * (1.0 - dampening)
+            new = tr.lincomb(m, ts, g_coef, gs)
+        else:
+            new = tr.axpy(m, ts, gs)
+        new = tr.cast_like(new, ts)
+        out = tr.cast_like(tr.axpy(m, new, gs), gs) if nesterov else new
+        return pytree.tree_unflatten(out, spec), TraceState(state.count + 1, pytree.tree_unflatten(new, spec))
+
+    return Transform(init, update)
+
+
+class ScaleByAdamState(NamedTuple):
+    count: Tensor  # (), int64
+    mu: Params
+    nu: Params
+
+
+def scale_by_adam(
+    b1: ScalarOrSchedule = 0.9, b2: ScalarOrSchedule = 0.999, eps: float = 1e-8, *, eps_root: float = 0.0
+) -> Transform:
+    """Adam's preconditioner, `m̂ / (√(v̂ + eps_root) + eps)`; see `adam` for the rule."""
+    check_betas((b1, b2), "betas")
+    check_hyperparam("eps", eps)
+    check_positive("eps", eps)
+    check_nonnegative("eps_root", eps_root)
+
+    def init(params: Params) -> ScaleByAdamState:
+        leaves = pytree.tree_leaves(params)
+        zeros = tr.tree_zeros_like(params)
+        return ScaleByAdamState(zero_count(leaf_device(leaves)), zeros, tr.tree_zeros_like(params))
+
+    def update(grads, state, params=None, **extra):
+        gs = tr.check_match(grads, state.mu, "grads", "params")
+        mu, spec = pytree.tree_flatten(state.mu)
+        nu = pytree.tree_leaves(state.nu)
+        beta1, beta2 = resolve(b1, state.count), resolve(b2, state.count)
+        mu = tr.cast_like(tr.ema(mu, gs, beta1), gs)
+        nu = tr.cast_like(tr.ema_sq(nu, gs, beta2), gs)
+        # Bias corrections: 0-d float64, computed once per step, not per element.
+        t = (state.count + 1).to(torch.float64)
+        bc1 = 1.0 - beta1**t
+        bc2 = 1.0 - beta2**t
+        # u = (m / bc1) / (√(v / bc2 + eps_root) + eps)
+        denom = tr.mul(nu, 1.0 / bc2)
+        if eps_root:
+            denom = tr.add_scalar(denom, eps_root)
+        denom = tr.add_scalar(tr.sqrt(denom), eps)
+        out = tr.cast_like(tr.mul(tr.div(mu, denom), 1.0 / bc1), gs)
+        new_state = ScaleByAdamState(state.count + 1, pytree.tree_unflatten(mu, spec), pytree.tree_unflatten(nu, spec))
+        return pytree.tree_unflatten(out, spec), new_state
+
+    return Transform(init, update)
+
+
+class ScaleByLionState(NamedTuple):
+    count: Tensor  # (), int64
+    mu: Params
+
+
+def scale_by_lion(b1: ScalarOrSchedule = 0.9, b2: ScalarOrSchedule = 0.99) -> Transform:
+    """Lion's sign update, `sign(β₁·m + (1-β₁)·g)`; see `lion` for the rule."""
+    check_betas((b1, b2), "betas")
+
+    def init(params: Params) -> ScaleByLionState:
+        leaves = pytree.tree_leaves(params)
+        return ScaleByLionState(zero_count(leaf_device(leaves)), tr.tree_zeros_like(params))
+
+    def update(grads, state, params=None, **extra):
+        gs = tr.check_match(grads, state.mu, "grads", "params")
+        mu, spec = pytree.tree_flatten(state.mu)
+        beta1, beta2 = resolve(b1, state.count), resolve(b2, state.count)
+        out = tr.cast_like(tr.sign(tr.ema(mu, gs, beta1)), gs)
+        mu = tr.cast_like(tr.ema(mu, gs, beta2), gs)
+        return pytree.tree_unflatten(out, spec), ScaleByLionState(state.count + 1, pytree.tree_unflatten(mu, spec))
+
+    return Transform(init, update)
+
+
+def scale_by_trust_ratio(*, min_norm: float = 0.0, trust_coefficient: float = 1.0, eps: float = 0.0) -> Transform:
+    """Layer-wise trust ratio, `u · c·‖p‖ / (‖u‖ + eps)` (1 where either norm is 0), = `optax.scale_by_trust_ratio`."""
+    check_nonnegative("min_norm", min_norm)
+    check_nonnegative("trust_coefficient", trust_coefficient)
+    check_nonnegative("eps", eps)
+
+    def init(params: Params) -> EmptyState:
+        return EmptyState()
+
+    def update(grads, state, params=None, **extra):
+        if params is None:
+            raise ValueError("scale_by_trust_ratio needs params: call update(grads, state, params)")
+        ps_ = tr.check_match(params, grads, "params", "grads", dtype=False)
+        us, spec = pytree.tree_flatten(grads)
+        p_norm = [torch.clamp(n, min=min_norm) for n in tr.norms(ps_)]
+        u_norm = [torch.clamp(n, min=min_norm) for n in tr.norms(us)]
+        ratios = [
+            torch.where((pn == 0) | (un == 0), torch.ones_like(pn), trust_coefficient * pn / (un + eps))
+            for pn, un in zip(p_norm, u_norm)
+        ]
+        out = [u * r.to(u.dtype) for u, r in zip(us, ratios)]
+        return pytree.tree_unflatten(out, spec), state
+
+    return Transform(init, update)

@@ -1,0 +1,68 @@
+"""The one registry of transforms and schedules under test, shared by tests/ and property_tests/.
+
+Every name in `purestep.core.__all__` is either registered here or listed as not a
+transform; `tests/core/test_public_api.py` fails when a new public name is neither.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import purestep.core as ps
+
+
+@dataclass(frozen=True)
+class Case:
+    """A transform under test: how to build it, and which invariants it promises."""
+
+    name: str
+    make: Callable[[], ps.Transform]
+    needs_params: bool = True
+    decoupled_decay: bool = False  # update gains +lr·wd·p exactly (adamw, lion, lamb before trust ratio...)
+    sign_based: bool = False  # |update| <= lr elementwise
+    scale_invariant: bool = False  # update unchanged when grads are multiplied by c > 0 (up to eps)
+    matrices_only: bool = False  # refuses 0-D/1-D leaves
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+TRANSFORMS: dict[str, Case] = {
+    c.name: c
+    for c in [
+        Case("sgd", lambda: ps.sgd(0.1, momentum=0.9)),
+        Case("adam", lambda: ps.adam(1e-2), scale_invariant=True),
+        Case("adamw", lambda: ps.adamw(1e-2, weight_decay=0.1), decoupled_decay=True, scale_invariant=True),
+        Case("lion", lambda: ps.lion(1e-2, weight_decay=0.1), decoupled_decay=True, sign_based=True),
+        Case("lamb", lambda: ps.lamb(1e-2, weight_decay=0.1)),
+        Case("lars", lambda: ps.lars(0.1, weight_decay=0.01)),
+        Case("identity", lambda: ps.identity(), needs_params=False),
+        Case("scale", lambda: ps.scale(-0.5), needs_params=False),
+        Case("scale_by_lr", lambda: ps.scale_by_lr(lambda t: 0.1 / (1.0 + t)), needs_params=False),
+        Case("trace", lambda: ps.trace(0.9, nesterov=True), needs_params=False),
+        Case("scale_by_adam", lambda: ps.scale_by_adam(), needs_params=False, scale_invariant=True),
+        Case("scale_by_lion", lambda: ps.scale_by_lion(), needs_params=False),
+        Case("scale_by_trust_ratio", lambda: ps.scale_by_trust_ratio()),
+        Case("add_decayed_weights", lambda: ps.add_decayed_weights(0.1)),
+        Case("chain", lambda: ps.chain(ps.scale_by_adam(), ps.scale_by_lr(1e-2)), needs_params=False),
+        Case("masked", lambda: ps.masked(ps.scale_by_adam(), lambda p: {k: v.dim() >= 2 for k, v in p.items()})),
+        Case("partition", lambda: ps.partition(
+            {"a": ps.adamw(1e-2), "b": ps.sgd(0.1)}, lambda p: {k: "a" if v.dim() >= 2 else "b" for k, v in p.items()}
+        )),
+        Case("inject_hyperparams", lambda: ps.inject_hyperparams(ps.adamw)(lr=lambda t: 1e-2 * 0.9**t)),
+        Case("apply_if_finite", lambda: ps.apply_if_finite(ps.adam(1e-2))),
+        Case("accumulate", lambda: ps.accumulate(ps.sgd(0.1, momentum=0.9), every=2)),
+    ]
+}
+
+SCHEDULES: dict[str, Callable[[], Callable]] = {}
+
+# Public names that are not transforms or schedules (types, states, tree utilities).
+NOT_TRANSFORMS = {
+    "Transform", "EmptyState", "Schedule",
+    "apply_updates", "apply_updates_", "tree_get", "tree_set", "tree_map_with_path",
+    "tree_flatten_with_path", "tree_unflatten", "tree_paths", "tree_zeros_like",
+    "tree_global_norm", "tree_cast", "set_hyperparam",
+    "MaskedState", "PartitionState", "InjectHyperparamsState", "ApplyIfFiniteState",
+    "AccumulateState", "ScaleByLrState", "TraceState", "ScaleByAdamState",
+    "ScaleByLionState", "AddDecayedWeightsState",
+}

@@ -1,0 +1,221 @@
+"""Combinators: chain, masked, partition, inject_hyperparams, apply_if_finite, accumulate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+import purestep.core as ps
+
+
+def make_params(dtype=torch.float64):
+    g = torch.Generator().manual_seed(0)
+    return {
+        "embed.weight": torch.randn(6, 4, generator=g, dtype=dtype),
+        "layers.0.weight": torch.randn(4, 4, generator=g, dtype=dtype),
+        "layers.0.bias": torch.randn(4, generator=g, dtype=dtype),
+        "conv.weight": torch.randn(2, 3, 2, 2, generator=g, dtype=dtype),
+    }
+
+
+def grads_like(params, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return {k: scale * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in params.items()}
+
+
+def run(opt, params, grads_list):
+    state = opt.init(params)
+    outs = []
+    for grads in grads_list:
+        updates, state = opt.update(grads, state, params)
+        params = ps.apply_updates(params, updates)
+        outs.append(updates)
+    return params, state, outs
+
+
+def assert_trees_equal(a, b):
+    la, sa = pytree.tree_flatten(a)
+    lb, sb = pytree.tree_flatten(b)
+    assert sa == sb
+    for x, y in zip(la, lb):
+        assert torch.equal(x, y)
+
+
+def test_chain_with_identity_equals_the_transform_bitwise():
+    params = make_params()
+    grads = [grads_like(params, i) for i in range(5)]
+    p1, s1, u1 = run(ps.adamw(1e-2), params, grads)
+    p2, s2, u2 = run(ps.chain(ps.identity(), ps.adamw(1e-2)), params, grads)
+    assert_trees_equal(p1, p2)
+    assert_trees_equal(s1, s2[1])
+    assert_trees_equal(u1, u2)
+
+
+def test_chain_state_is_a_tuple_of_states():
+    params = make_params()
+    state = ps.chain(ps.scale_by_adam(), ps.scale_by_lr(0.1)).init(params)
+    assert isinstance(state, tuple) and isinstance(state[0], ps.ScaleByAdamState)
+    assert isinstance(state[1], ps.EmptyState)
+
+
+def test_masked_passes_masked_out_leaves_through_unchanged():
+    params = make_params()
+    mask = {k: k.endswith("weight") for k in params}
+    opt = ps.masked(ps.chain(ps.scale_by_adam(), ps.scale_by_lr(0.1)), mask)
+    state = opt.init(params)
+    grads = grads_like(params, 3)
+    updates, state = opt.update(grads, state, params)
+    assert updates["layers.0.bias"] is grads["layers.0.bias"]
+    assert not torch.equal(updates["layers.0.weight"], grads["layers.0.weight"])
+    # The masked-in leaves equal the inner transform run on those leaves alone.
+    sub = {k: v for k, v in params.items() if mask[k]}
+    inner = ps.chain(ps.scale_by_adam(), ps.scale_by_lr(0.1))
+    ref, _ = inner.update({k: grads[k] for k in sub}, inner.init(sub), sub)
+    for k in sub:
+        assert torch.equal(updates[k], ref[k])
+    # Masked-out leaves hold no inner state.
+    assert set(ps.tree_get(state, "mu")) == set(sub)
+
+
+def test_masked_accepts_a_callable_mask_and_rejects_a_mismatched_one():
+    params = make_params()
+    opt = ps.masked(ps.scale(0.0), lambda p: {k: v.dim() > 1 for k, v in p.items()})
+    updates, _ = opt.update(params, opt.init(params), params)
+    assert torch.equal(updates["layers.0.bias"], params["layers.0.bias"])
+    assert torch.equal(updates["layers.0.weight"], torch.zeros_like(params["layers.0.weight"]))
+    with pytest.raises(ValueError, match="mask"):
+        ps.masked(ps.scale(0.0), {"embed.weight": True}).init(params)
+    with pytest.raises(ValueError, match="layers.0.bias"):
+        ps.masked(ps.scale(0.0), {k: "yes" if "bias" in k else True for k in params}).init(params)
+
+
+def test_partition_equals_each_transform_on_its_own_part():
+    params = make_params()
+    labels = {k: "adamw" if v.dim() >= 2 else "sgd" for k, v in params.items()}
+    transforms = {"adamw": ps.adamw(1e-2, weight_decay=0.1), "sgd": ps.sgd(0.1, momentum=0.9)}
+    grads = [grads_like(params, i) for i in range(6)]
+    p_all, state, _ = run(ps.partition(transforms, labels), params, grads)
+    for name, t in transforms.items():
+        part = {k: v for k, v in params.items() if labels[k] == name}
+        p_part, s_part, _ = run(t, part, [{k: g[k] for k in part} for g in grads])
+        for k in part:
+            assert torch.equal(p_all[k], p_part[k]), k
+        assert_trees_equal(state.inner_states[name], s_part)
+
+
+def test_partition_rejects_unknown_labels_naming_the_leaf():
+    params = make_params()
+    labels = {k: "muon" if k == "conv.weight" else "adamw" for k in params}
+    with pytest.raises(ValueError, match="conv.weight.*muon"):
+        ps.partition({"adamw": ps.adamw(1e-3)}, labels).init(params)
+
+
+def test_inject_hyperparams_equals_the_plain_transform():
+    params = make_params()
+    grads = [grads_like(params, i) for i in range(8)]
+    schedule = lambda t: 1e-2 / (1.0 + t)  # noqa: E731
+    p1, _, _ = run(ps.adamw(schedule, betas=(0.8, 0.95), weight_decay=0.1), params, grads)
+    p2, state, _ = run(ps.inject_hyperparams(ps.adamw)(schedule, betas=(0.8, 0.95), weight_decay=0.1), params, grads)
+    for k in params:
+        torch.testing.assert_close(p1[k], p2[k], rtol=1e-12, atol=0)
+    hp = state.hyperparams
+    assert hp["lr"].dtype == torch.float64 and hp["lr"].dim() == 0
+    torch.testing.assert_close(hp["lr"], torch.tensor(1e-2 / 8, dtype=torch.float64))
+    assert isinstance(hp["betas"], tuple) and hp["betas"][0].item() == pytest.approx(0.8)
+    assert "mask" not in hp
+
+
+def test_set_hyperparam_lr_zero_gives_zero_updates():
+    params = make_params()
+    opt = ps.inject_hyperparams(ps.adamw)(lr=1e-2)
+    state = opt.init(params)
+    _, state = opt.update(grads_like(params, 0), state, params)
+    state = ps.set_hyperparam(state, "lr", 0.0)
+    updates, state = opt.update(grads_like(params, 1), state, params)
+    for u in updates.values():
+        assert torch.count_nonzero(u) == 0
+    assert ps.tree_get(state, "hyperparams")["lr"].item() == 0.0
+    state = ps.set_hyperparam(state, "betas", (0.5, 0.9))
+    assert ps.tree_get(state, "hyperparams")["betas"][0].item() == 0.5
+
+
+def test_set_hyperparam_unknown_name_lists_the_injected_ones():
+    params = make_params()
+    state = ps.inject_hyperparams(ps.sgd)(lr=0.1, momentum=0.9).init(params)
+    with pytest.raises(KeyError, match="momentum"):
+        ps.set_hyperparam(state, "eps", 1e-3)
+    with pytest.raises(KeyError, match="inject_hyperparams"):
+        ps.set_hyperparam(ps.sgd(0.1).init(params), "lr", 0.2)
+
+
+def test_apply_if_finite_skips_a_nan_step_as_if_it_never_came():
+    params = make_params()
+    good = [grads_like(params, i) for i in range(6)]
+    bad = dict(good[0])
+    bad["layers.0.bias"] = bad["layers.0.bias"].clone()
+    bad["layers.0.bias"][1] = float("nan")
+    opt = ps.apply_if_finite(ps.adamw(1e-2))
+    p_ref, s_ref, _ = run(opt, params, good)
+    p_skip, s_skip, outs = run(opt, params, good[:3] + [bad] + good[3:])
+    assert_trees_equal(p_ref, p_skip)
+    assert_trees_equal(s_ref.inner_state, s_skip.inner_state)
+    assert all(torch.count_nonzero(u) == 0 for u in outs[3].values())
+    assert int(s_skip.total_notfinite) == 1 and int(s_skip.notfinite_count) == 0
+    assert bool(s_skip.last_finite)
+
+
+def test_apply_if_finite_applies_after_max_consecutive_failures():
+    params = make_params()
+    inf_grads = {k: torch.full_like(v, float("inf")) for k, v in params.items()}
+    opt = ps.apply_if_finite(ps.sgd(0.1), max_consecutive=2)
+    state = opt.init(params)
+    for i in range(3):
+        updates, state = opt.update(inf_grads, state, params)
+        applied = not torch.equal(updates["embed.weight"], torch.zeros_like(updates["embed.weight"]))
+        assert applied == (i == 2)
+    assert int(state.notfinite_count) == 3
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_accumulate_equals_the_transform_on_the_mean_of_every_k_grads(every):
+    params = make_params()
+    grads = [grads_like(params, i) for i in range(4 * every)]
+    inner = ps.adamw(1e-2, weight_decay=0.1)
+    state = ps.accumulate(inner, every=every).init(params)
+    opt = ps.accumulate(inner, every=every)
+    p_acc = params
+    for i, g in enumerate(grads):
+        updates, state = opt.update(g, state, p_acc)
+        if (i + 1) % every:
+            assert all(torch.count_nonzero(u) == 0 for u in updates.values())
+        p_acc = ps.apply_updates(p_acc, updates)
+    means = [
+        {k: sum(g[k] for g in grads[j : j + every]) / every for k in params} for j in range(0, len(grads), every)
+    ]
+    p_ref, s_ref, _ = run(inner, params, means)
+    for k in params:
+        torch.testing.assert_close(p_acc[k], p_ref[k], rtol=1e-12, atol=1e-14)
+    assert int(ps.tree_get(state.inner_state, "count")) == 4
+
+
+def test_accumulate_rejects_a_bad_every():
+    with pytest.raises(ValueError, match="every"):
+        ps.accumulate(ps.sgd(0.1), every=0)
+
+
+def test_combinators_route_extra_keyword_trees_like_the_grads():
+    seen = {}
+
+    def init(params):
+        return ps.EmptyState()
+
+    def update(grads, state, params=None, *, curvature=None, **extra):
+        seen["keys"] = sorted(curvature)
+        return grads, state
+
+    probe = ps.Transform(init, update)
+    params = make_params()
+    opt = ps.masked(probe, {k: "bias" in k for k in params})
+    opt.update(params, opt.init(params), params, curvature=params, unknown_flag=True)
+    assert seen["keys"] == ["layers.0.bias"]

@@ -158,11 +158,12 @@ def scale_by_adam(
         bc1 = 1.0 - beta1**t
         bc2 = 1.0 - beta2**t
         # u = (m / bc1) / (√(v / bc2 + eps_root) + eps)
+        # (intermediates are updated in place: in eager mode allocation costs more than math)
         denom = tr.mul(nu, 1.0 / bc2)
         if eps_root:
-            denom = tr.add_scalar(denom, eps_root)
-        denom = tr.add_scalar(tr.sqrt(denom), eps)
-        out = tr.cast_like(tr.mul(tr.div(mu, denom), 1.0 / bc1), gs)
+            denom = tr.add_scalar_(denom, eps_root)
+        denom = tr.add_scalar_(tr.sqrt_(denom), eps)
+        out = tr.cast_like(tr.mul_(tr.div_into_(mu, denom), 1.0 / bc1), gs)
         new_state = ScaleByAdamState(state.count + 1, pytree.tree_unflatten(mu, spec), pytree.tree_unflatten(nu, spec))
         return pytree.tree_unflatten(out, spec), new_state
 

@@ -261,6 +261,45 @@ def use_foreach(xs: Sequence[Tensor]) -> bool:
     return torch._C._functorch.peek_interpreter_stack() is None
 
 
+def _owned_inplace(xs: list[Tensor]) -> bool:
+    # In-place kernels may reuse the storage of a list the caller created itself, but
+    # not while autograd records it (the backward of sqrt, say, needs its output).
+    return use_foreach(xs) and not (torch.is_grad_enabled() and xs[0].requires_grad)
+
+
+def sqrt_(xs: list[Tensor]) -> list[Tensor]:
+    """√x, reusing the storage of `xs` where it can: call only on a list you created."""
+    if _owned_inplace(xs):
+        torch._foreach_sqrt_(xs)
+        return xs
+    return sqrt(xs)
+
+
+def add_scalar_(xs: list[Tensor], s: Scalar) -> list[Tensor]:
+    """x + s, reusing the storage of `xs` where it can: call only on a list you created."""
+    if _owned_inplace(xs):
+        torch._foreach_add_(xs, s)
+        return xs
+    return add_scalar(xs, s)
+
+
+def mul_(xs: list[Tensor], s: Scalar) -> list[Tensor]:
+    """s·x, reusing the storage of `xs` where it can: call only on a list you created."""
+    if _owned_inplace(xs):
+        torch._foreach_mul_(xs, s)
+        return xs
+    return mul(xs, s)
+
+
+def div_into_(xs: list[Tensor], ys: list[Tensor]) -> list[Tensor]:
+    """x / y, written into the storage of `ys` where it can: call only on a `ys` you created."""
+    if _owned_inplace(ys):
+        torch._foreach_reciprocal_(ys)
+        torch._foreach_mul_(ys, xs)
+        return ys
+    return div(xs, ys)
+
+
 def cast_like(xs: list[Tensor], refs: Sequence[Tensor]) -> list[Tensor]:
     """Each `x` in its reference's dtype (a 0-d float64 scalar may have promoted a 0-d leaf)."""
     return [x if x.dtype == r.dtype else x.to(r.dtype) for x, r in zip(xs, refs)]

@@ -29,6 +29,16 @@ from ._optimizers import lamb as lamb
 from ._optimizers import lars as lars
 from ._optimizers import lion as lion
 from ._optimizers import sgd as sgd
+from ._schedules import constant_schedule as constant_schedule
+from ._schedules import cosine_schedule as cosine_schedule
+from ._schedules import inverse_sqrt_schedule as inverse_sqrt_schedule
+from ._schedules import join_schedules as join_schedules
+from ._schedules import linear_schedule as linear_schedule
+from ._schedules import one_cycle_momentum_schedule as one_cycle_momentum_schedule
+from ._schedules import one_cycle_schedule as one_cycle_schedule
+from ._schedules import piecewise_constant_schedule as piecewise_constant_schedule
+from ._schedules import warmup_cosine_schedule as warmup_cosine_schedule
+from ._schedules import wsd_schedule as wsd_schedule
 from ._scaling import ScaleByAdamState as ScaleByAdamState
 from ._scaling import ScaleByLionState as ScaleByLionState
 from ._scaling import ScaleByLrState as ScaleByLrState
@@ -95,6 +105,17 @@ __all__ = [
     "ScaleByAdamState",
     "ScaleByLionState",
     "AddDecayedWeightsState",
+    # schedules
+    "constant_schedule",
+    "linear_schedule",
+    "cosine_schedule",
+    "warmup_cosine_schedule",
+    "wsd_schedule",
+    "one_cycle_schedule",
+    "one_cycle_momentum_schedule",
+    "inverse_sqrt_schedule",
+    "piecewise_constant_schedule",
+    "join_schedules",
     # optimizers
     "sgd",
     "adam",

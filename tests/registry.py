@@ -54,7 +54,20 @@ TRANSFORMS: dict[str, Case] = {
     ]
 }
 
-SCHEDULES: dict[str, Callable[[], Callable]] = {}
+SCHEDULES: dict[str, Callable[[], Callable]] = {
+    "constant_schedule": lambda: ps.constant_schedule(0.1),
+    "linear_schedule": lambda: ps.linear_schedule(1.0, 0.1, 30),
+    "cosine_schedule": lambda: ps.cosine_schedule(1.0, 100, final=0.1),
+    "warmup_cosine_schedule": lambda: ps.warmup_cosine_schedule(1.0, 10, 100, init=0.01, final=0.05),
+    "wsd_schedule": lambda: ps.wsd_schedule(1.0, 10, 100, 30, final=0.01, shape="sqrt"),
+    "one_cycle_schedule": lambda: ps.one_cycle_schedule(1.0, 100, three_phase=True),
+    "one_cycle_momentum_schedule": lambda: ps.one_cycle_momentum_schedule(100),
+    "inverse_sqrt_schedule": lambda: ps.inverse_sqrt_schedule(1.0, 10),
+    "piecewise_constant_schedule": lambda: ps.piecewise_constant_schedule(1.0, {10: 0.5, 30: 0.1}),
+    "join_schedules": lambda: ps.join_schedules(
+        [ps.linear_schedule(0.0, 1.0, 10), ps.cosine_schedule(1.0, 90, final=0.1)], [10]
+    ),
+}
 
 # Public names that are not transforms or schedules (types, states, tree utilities).
 NOT_TRANSFORMS = {

@@ -1,3 +1,7 @@
 """purestep.api: the thin stateful layer (Optimizer adapter, Trainer, checkpoints, config, CLI)."""
 
-__all__: list[str] = []
+from .optimizer import Optimizer as Optimizer
+
+__all__: list[str] = [
+    "Optimizer",
+]

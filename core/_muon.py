@@ -1,0 +1,254 @@
+"""Muon: momentum, then Newton-Schulz (or Polar Express) orthogonalization of each matrix.
+
+The update rule is written once, on `muon` in `_optimizers.py`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, NamedTuple, Sequence, Union
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from . import _tree as tr
+from ._base import Params, PyTree, ScalarOrSchedule, Transform, check_hyperparam, check_nonnegative, check_positive, leaf_device, resolve, zero_count
+
+# torch.optim.Muon's quintic Newton-Schulz coefficients (from Keller Jordan's Muon), used every iteration.
+NS5_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+# Polar Express (Amsel et al. 2025), one quintic per iteration, with the 2% safety factor
+# that modded-nanogpt applies (its spectral-norm bound is ‖X‖_F·1.02). Iterations past the
+# table repeat the last polynomial, as the paper's reference code does.
+POLAR_EXPRESS_COEFFICIENTS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+_POLAR_EXPRESS_SAFETY = 1.02
+
+Coefficients = Union[str, Sequence[float], Sequence[Sequence[float]]]
+_ADJUST_LR = ("original", "match_rms_adamw")
+
+
+# --------------------------------------------------------------------------- #
+# Orthogonalization.
+# --------------------------------------------------------------------------- #
+
+
+def _is_triple(c: Any) -> bool:
+    return (
+        isinstance(c, (tuple, list))
+        and len(c) == 3
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in c)
+    )
+
+
+def _coefficient_schedule(ns_coefficients: Coefficients, ns_steps: int) -> tuple[list[tuple[float, float, float]], float]:
+    """The (a, b, c) of every iteration, and the safety factor of the initial normalization."""
+    if isinstance(ns_coefficients, str):
+        if ns_coefficients != "polar_express":
+            raise ValueError(
+                f"ns_coefficients must be (a, b, c), a sequence of (a, b, c) per iteration or "
+                f"'polar_express', got {ns_coefficients!r}"
+            )
+        table, safety = POLAR_EXPRESS_COEFFICIENTS, _POLAR_EXPRESS_SAFETY
+    elif _is_triple(ns_coefficients):
+        table, safety = (tuple(ns_coefficients),), 1.0
+    elif isinstance(ns_coefficients, (tuple, list)) and ns_coefficients and all(_is_triple(c) for c in ns_coefficients):
+        table, safety = tuple(tuple(c) for c in ns_coefficients), 1.0
+    else:
+        raise ValueError(
+            f"ns_coefficients must be (a, b, c), a sequence of (a, b, c) per iteration or "
+            f"'polar_express', got {ns_coefficients!r}"
+        )
+    steps = [tuple(float(v) for v in table[min(i, len(table) - 1)]) for i in range(ns_steps)]
+    return steps, safety
+
+
+def _orthogonalize_batch(
+    x: Tensor,  # (N, m, n) with m <= n, in the Newton-Schulz dtype
+    coefficients: list[tuple[float, float, float]],
+    safety: float,
+    eps: float,
+) -> Tensor:
+    """N matrices orthogonalized together: X ← a·X + (b·A + c·A²)·X with A = X·Xᵀ."""
+    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)  # (N, 1, 1)
+    if safety != 1.0:
+        norm = norm * safety
+    x = x / norm.clamp(min=eps)  # spectral norm <= Frobenius norm <= 1
+    for a, b, c in coefficients:
+        gram = x @ x.mT  # (N, m, m)
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b·A + c·A²
+        x = torch.baddbmm(x, poly, x, beta=a)  # a·X + poly·X
+    return x
+
+
+def _as_wide_matrix(g: Tensor) -> tuple[Tensor, bool]:
+    """`g` as a (rows, cols) matrix with rows <= cols, and whether it was transposed."""
+    m = g.reshape(g.shape[0], -1)
+    return (m.mT, True) if m.shape[0] > m.shape[1] else (m, False)
+
+
+def orthogonalize_leaves(
+    xs: list[Tensor],
+    coefficients: list[tuple[float, float, float]],
+    safety: float,
+    eps: float,
+    dtype: torch.dtype,
+) -> list[Tensor]:
+    """Each leaf (≥ 2-D, seen as shape[0] × prod(rest)) orthogonalized; same-shape matrices
+    share one batched matmul per iteration. Results come back in each leaf's dtype."""
+    groups: dict[tuple, list[int]] = {}
+    mats: list[Tensor] = []
+    flipped: list[bool] = []
+    for i, x in enumerate(xs):
+        m, t = _as_wide_matrix(x)
+        mats.append(m.to(dtype))
+        flipped.append(t)
+        groups.setdefault((tuple(m.shape), m.device), []).append(i)
+    out: list[Tensor | None] = [None] * len(xs)
+    for idx in groups.values():
+        batch = torch.stack([mats[i] for i in idx])  # (N, rows, cols)
+        result = _orthogonalize_batch(batch, coefficients, safety, eps)
+        for i, o in zip(idx, result.unbind(0)):
+            o = o.mT if flipped[i] else o
+            out[i] = o.reshape(xs[i].shape).to(xs[i].dtype)
+    return out  # type: ignore[return-value]
+
+
+def _lr_ratio(shape: torch.Size, adjust_lr: str) -> float:
+    rows, cols = shape[0], math.prod(shape[1:])
+    if adjust_lr == "original":
+        return math.sqrt(max(1.0, rows / cols))
+    return 0.2 * math.sqrt(max(rows, cols))
+
+
+def _check_matrices(tree: PyTree, what: str) -> None:
+    for path, x in tr.tree_flatten_with_path(tree)[0]:
+        if isinstance(x, Tensor) and x.dim() < 2:
+            raise ValueError(
+                f"{what} leaf '{path}' has shape {tuple(x.shape)}: Muon orthogonalizes matrices "
+                "(>= 2 dims) only; give vectors, scalars, embeddings and the output head to AdamW "
+                "with ps.muon_adamw(...) (it routes leaves by ps.muon_labels)"
+            )
+
+
+def check_muon_args(ns_steps: int, ns_coefficients: Coefficients, ns_dtype: Any, adjust_lr: Any, eps: float) -> None:
+    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or not 1 <= ns_steps < 100:
+        raise ValueError(f"ns_steps must be an int in [1, 100), got {ns_steps!r}")
+    _coefficient_schedule(ns_coefficients, ns_steps)
+    if not isinstance(ns_dtype, torch.dtype) or not ns_dtype.is_floating_point:
+        raise ValueError(f"ns_dtype must be a floating torch.dtype (torch.bfloat16, torch.float32...), got {ns_dtype!r}")
+    if adjust_lr not in _ADJUST_LR:
+        raise ValueError(f"adjust_lr must be one of {_ADJUST_LR}, got {adjust_lr!r}")
+    check_positive("eps", eps)
+
+
+# --------------------------------------------------------------------------- #
+# The building block.
+# --------------------------------------------------------------------------- #
+
+
+class ScaleByMuonState(NamedTuple):
+    count: Tensor  # (), int64
+    mu: Params  # momentum buffer
+
+
+def scale_by_muon(
+    momentum: ScalarOrSchedule = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    *,
+    ns_coefficients: Coefficients = NS5_COEFFICIENTS,
+    ns_dtype: torch.dtype = torch.bfloat16,
+    adjust_lr: str = "original",
+    eps: float = 1e-7,
+) -> Transform:
+    """Muon's orthogonalized momentum, `s(A, B) · NS(m̃)`; see `muon` for the rule.
+
+    Every leaf must have >= 2 dims; a leaf of shape (A, ...) is orthogonalized as an
+    A × prod(rest) matrix, and matrices of one shape are stacked into one batched matmul.
+
+    Example:
+        >>> import torch, purestep.core as ps
+        >>> t = ps.scale_by_muon(ns_dtype=torch.float32)
+        >>> g = {"w": torch.eye(3)}
+        >>> u, _ = t.update(g, t.init(g))
+        >>> bool((torch.linalg.svdvals(u["w"]) > 0.5).all())
+        True
+    """
+    check_hyperparam("momentum", momentum)
+    check_nonnegative("momentum", momentum)
+    check_muon_args(ns_steps, ns_coefficients, ns_dtype, adjust_lr, eps)
+    coefficients, safety = _coefficient_schedule(ns_coefficients, ns_steps)
+
+    def init(params: Params) -> ScaleByMuonState:
+        _check_matrices(params, "params")
+        leaves = pytree.tree_leaves(params)
+        return ScaleByMuonState(zero_count(leaf_device(leaves)), tr.tree_zeros_like(params))
+
+    def update(grads, state, params=None, **extra):
+        _check_matrices(grads, "grads")
+        gs = tr.check_match(grads, state.mu, "grads", "params")
+        mu, spec = pytree.tree_flatten(state.mu)
+        beta = resolve(momentum, state.count)
+        # m ← β·m + (1-β)·g  (torch.optim.Muon's lerp form)
+        mu = tr.cast_like(tr.ema(mu, gs, beta), gs)
+        # m̃ = (1-β)·g + β·m with nesterov, else m
+        src = tr.cast_like(tr.ema(gs, mu, 1.0 - beta), gs) if nesterov else mu
+        ortho = orthogonalize_leaves(src, coefficients, safety, eps, ns_dtype)
+        out = [o * _lr_ratio(o.shape, adjust_lr) for o in ortho]
+        return pytree.tree_unflatten(out, spec), ScaleByMuonState(state.count + 1, pytree.tree_unflatten(mu, spec))
+
+    return Transform(init, update)
+
+
+# --------------------------------------------------------------------------- #
+# Routing: which leaves Muon takes.
+# --------------------------------------------------------------------------- #
+
+_EMBEDDING = re.compile(r"(^|[._])(embed\w*|wte|wpe|tok_embeddings|pos_emb\w*|token_emb\w*|emb)($|[._])")
+_HEAD_NAMES = {"lm_head", "head", "output", "classifier", "fc", "out", "logits", "score", "unembed", "readout"}
+_NORM = re.compile(r"(norm|(^|[._])ln\w*|(^|[._])bn\d*($|[._]))")
+
+
+def _muon_label(path: str, x: Tensor) -> str:
+    if not isinstance(x, Tensor) or x.dim() < 2:
+        return "adamw"  # scalars, biases, norm gains
+    parts = path.split(".")
+    module = parts[:-1] if parts[-1] in ("weight", "bias") else parts
+    lower = path.lower()
+    if _EMBEDDING.search(lower) or _NORM.search(lower):
+        return "adamw"
+    in_block = any(p.isdigit() for p in module)
+    if module and module[-1].lower() in _HEAD_NAMES and not in_block:
+        return "adamw"  # the output head (top level, not inside a numbered block)
+    return "muon"
+
+
+def muon_labels(params: Params) -> PyTree:
+    """"muon" for hidden >= 2-D matrices, "adamw" for embeddings, the output head, norms, biases and scalars.
+
+    Rules, by rank then by dotted name: fewer than 2 dims → "adamw"; a name with an
+    embedding part (`embed*`, `wte`, `wpe`, `tok_embeddings`, `pos_emb*`) or a norm part
+    (`*norm*`, `ln*`, `bn*`) → "adamw"; a module named `lm_head`, `head`, `output`,
+    `classifier`, `fc`, `out`, `logits`, `score`, `unembed` or `readout` outside any
+    numbered block (`layers.3.`) → "adamw" (the output head); every other matrix,
+    conv filters included → "muon".
+
+    Example:
+        >>> import torch, purestep.core as ps
+        >>> params = {"wte.weight": torch.zeros(10, 4), "h.0.attn.weight": torch.zeros(4, 4),
+        ...           "h.0.ln_1.weight": torch.zeros(4), "lm_head.weight": torch.zeros(10, 4)}
+        >>> ps.muon_labels(params)
+        {'wte.weight': 'adamw', 'h.0.attn.weight': 'muon', 'h.0.ln_1.weight': 'adamw', 'lm_head.weight': 'adamw'}
+
+    References:
+        Jordan et al., Muon: An optimizer for hidden layers in neural networks, 2024.
+    """
+    return tr.tree_map_with_path(_muon_label, params)

@@ -1,0 +1,143 @@
+"""Sophia (SophiaG): clipped, curvature-preconditioned momentum, and the Gauss-Newton-Bartlett estimate.
+
+The update rule is written once, on `sophia` in `_optimizers.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from . import _tree as tr
+from ._base import (
+    Params,
+    PyTree,
+    ScalarOrSchedule,
+    Transform,
+    check_betas,
+    check_hyperparam,
+    check_nonnegative,
+    check_positive,
+    leaf_device,
+    resolve,
+    zero_count,
+)
+
+
+class ScaleBySophiaState(NamedTuple):
+    count: Tensor  # (), int64
+    mu: Params  # EMA of grads
+    hessian: Params  # EMA of the curvature estimates, refreshed every `update_every` updates
+
+
+def scale_by_sophia(
+    b1: ScalarOrSchedule = 0.965,
+    b2: ScalarOrSchedule = 0.99,
+    rho: ScalarOrSchedule = 0.04,
+    eps: float = 1e-15,
+    *,
+    update_every: int = 10,
+) -> Transform:
+    """SophiaG's clipped step, `sign(m) · min(|m| / (ρ·h + ε), 1)`; see `sophia` for the rule.
+
+    `update(grads, state, params, hessian=ĥ)` folds ĥ (a tree like params) into the
+    curvature EMA when the update count is a multiple of `update_every`; an update
+    without `hessian` keeps the old estimate, and one passed on another update is ignored.
+
+    Example:
+        >>> import torch, purestep.core as ps
+        >>> t = ps.scale_by_sophia()
+        >>> p = {"w": torch.ones(2)}
+        >>> u, state = t.update({"w": torch.tensor([1.0, -1.0])}, t.init(p), hessian={"w": torch.ones(2)})
+        >>> u["w"]
+        tensor([ 1., -1.])
+    """
+    check_betas((b1, b2), "betas")
+    check_hyperparam("rho", rho)
+    check_nonnegative("rho", rho)
+    check_hyperparam("eps", eps)
+    check_positive("eps", eps)
+    if isinstance(update_every, bool) or not isinstance(update_every, int) or update_every < 1:
+        raise ValueError(f"update_every must be an int >= 1, got {update_every!r}")
+
+    def init(params: Params) -> ScaleBySophiaState:
+        leaves = pytree.tree_leaves(params)
+        return ScaleBySophiaState(zero_count(leaf_device(leaves)), tr.tree_zeros_like(params), tr.tree_zeros_like(params))
+
+    def update(grads, state, params=None, *, hessian: PyTree = None, **extra):
+        gs = tr.check_match(grads, state.mu, "grads", "params")
+        mu, spec = pytree.tree_flatten(state.mu)
+        hs = pytree.tree_leaves(state.hessian)
+        beta1, beta2 = resolve(b1, state.count), resolve(b2, state.count)
+        if hessian is not None:
+            est = tr.check_match(hessian, state.hessian, "hessian", "params", dtype=False)
+            est = [e.to(h.dtype) for e, h in zip(est, hs)]
+            # h ← β₂·h + (1-β₂)·ĥ on refresh updates (count ≡ 0 mod update_every)
+            refreshed = tr.cast_like(tr.lincomb(beta2, hs, 1.0 - beta2, est), hs)
+            if update_every > 1:
+                due = torch.remainder(state.count, update_every) == 0
+                refreshed = tr.where(due, refreshed, hs)
+            hs = refreshed
+        mu = tr.cast_like(tr.ema(mu, gs, beta1), gs)
+        denom = tr.add_scalar(tr.mul(hs, resolve(rho, state.count)), eps)
+        # u = sign(m) · min(|m| / (ρ·h + ε), 1)
+        out = [torch.sign(m) * torch.clamp(m.abs() / d, max=1.0) for m, d in zip(mu, denom)]
+        out = tr.cast_like(out, gs)
+        new = ScaleBySophiaState(state.count + 1, pytree.tree_unflatten(mu, spec), pytree.tree_unflatten(hs, spec))
+        return pytree.tree_unflatten(out, spec), new
+
+    return Transform(init, update)
+
+
+def gnb_hessian(
+    logits_fn: Callable[[Params, Any], Tensor],
+    params: Params,
+    batch: Any,
+    *,
+    generator: torch.Generator | None = None,
+    labels: Tensor | None = None,
+) -> Params:
+    """The Gauss-Newton-Bartlett curvature estimate `B · ĝ ⊙ ĝ`, with ĝ the gradient of the
+    mean cross-entropy against labels sampled from the model's own logits.
+
+    One forward and one backward through `torch.func.vjp`; labels are drawn by the
+    Gumbel-max trick (no host sync). Pass the result as `update(..., hessian=...)` of `sophia`.
+
+    Args:
+      logits_fn: `logits_fn(params, batch) -> logits` of shape (..., vocab).
+      params: the params tree to differentiate.
+      batch: passed to `logits_fn` as it is.
+      generator: the random generator for the sampled labels.
+      labels: the labels to use instead of sampling (shape logits.shape[:-1]).
+
+    Returns:
+      A tree like params: B · ĝ², B the number of predictions (logits rows).
+
+    Example:
+        >>> import torch, purestep.core as ps
+        >>> params = {"w": torch.zeros(3, 4)}
+        >>> h = ps.gnb_hessian(lambda p, x: x @ p["w"], params, torch.eye(3), labels=torch.zeros(3, dtype=torch.long))
+        >>> h["w"][0]
+        tensor([0.1875, 0.0208, 0.0208, 0.0208])
+
+    References:
+        Liu et al., Sophia: A Scalable Stochastic Second-order Optimizer for Language Model Pre-training, 2023.
+    """
+    logits, vjp_fn = torch.func.vjp(lambda p: logits_fn(p, batch), params)
+    flat = logits.detach().reshape(-1, logits.shape[-1]).float()  # (B, vocab)
+    rows = flat.shape[0]
+    if labels is None:
+        u = torch.rand(flat.shape, generator=generator, device=flat.device, dtype=flat.dtype)
+        gumbel = -torch.log(-torch.log(u.clamp(min=torch.finfo(u.dtype).tiny)))
+        labels = torch.argmax(flat + gumbel, dim=-1)
+    labels = labels.reshape(-1).to(flat.device)
+    if labels.shape[0] != rows:
+        raise ValueError(f"labels has {labels.shape[0]} entries for {rows} rows of logits")
+    # d mean-CE / d logits = (softmax - onehot) / B
+    dlogits = (torch.softmax(flat, dim=-1) - F.one_hot(labels, flat.shape[-1]).to(flat.dtype)) / rows
+    (ghat,) = vjp_fn(dlogits.reshape(logits.shape).to(logits.dtype))
+    return pytree.tree_map(lambda g: rows * g * g, ghat)

@@ -29,6 +29,19 @@ from ._optimizers import lamb as lamb
 from ._optimizers import lars as lars
 from ._optimizers import lion as lion
 from ._optimizers import sgd as sgd
+from ._optimizers import muon as muon
+from ._optimizers import muon_adamw as muon_adamw
+from ._optimizers import schedule_free_adamw as schedule_free_adamw
+from ._optimizers import sophia as sophia
+from ._muon import ScaleByMuonState as ScaleByMuonState
+from ._muon import muon_labels as muon_labels
+from ._muon import scale_by_muon as scale_by_muon
+from ._schedule_free import ScheduleFreeState as ScheduleFreeState
+from ._schedule_free import schedule_free as schedule_free
+from ._schedule_free import schedule_free_eval_params as schedule_free_eval_params
+from ._sophia import ScaleBySophiaState as ScaleBySophiaState
+from ._sophia import gnb_hessian as gnb_hessian
+from ._sophia import scale_by_sophia as scale_by_sophia
 from ._schedules import constant_schedule as constant_schedule
 from ._schedules import cosine_schedule as cosine_schedule
 from ._schedules import inverse_sqrt_schedule as inverse_sqrt_schedule
@@ -123,4 +136,18 @@ __all__ = [
     "lion",
     "lamb",
     "lars",
+    # muon, schedule-free, sophia
+    "muon",
+    "muon_adamw",
+    "schedule_free_adamw",
+    "sophia",
+    "scale_by_muon",
+    "muon_labels",
+    "schedule_free",
+    "schedule_free_eval_params",
+    "scale_by_sophia",
+    "gnb_hessian",
+    "ScaleByMuonState",
+    "ScheduleFreeState",
+    "ScaleBySophiaState",
 ]

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ._base import ScalarOrSchedule, Transform, check_betas, check_hyperparam, check_nonnegative, check_positive, is_static
-from ._combine import chain, identity, masked
+from ._combine import chain, identity, masked, partition
 from ._decay import add_decayed_weights
 from ._scaling import scale_by_adam, scale_by_lion, scale_by_lr, scale_by_trust_ratio, trace
+from ._muon import NS5_COEFFICIENTS, Coefficients, muon_labels, scale_by_muon
+from ._schedule_free import schedule_free, warmup_lr
+from ._sophia import scale_by_sophia
 
 
 def _is_zero(value: Any) -> bool:
@@ -235,3 +240,197 @@ def lars(
         scale_by_lr(lr),
         trace(momentum, nesterov),
     )
+
+
+# --------------------------------------------------------------------------- #
+# Muon, schedule-free AdamW, Sophia.
+# --------------------------------------------------------------------------- #
+
+
+def muon(
+    lr: ScalarOrSchedule = 0.02,
+    momentum: ScalarOrSchedule = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    weight_decay: ScalarOrSchedule = 0.0,
+    adjust_lr: str = "original",
+    ns_dtype: torch.dtype = torch.bfloat16,
+    ns_coefficients: Coefficients = NS5_COEFFICIENTS,
+    *,
+    eps: float = 1e-7,
+) -> Transform:
+    """Muon, = `torch.optim.Muon`: momentum orthogonalized by Newton-Schulz, for matrices.
+
+    m ← μ·m + (1-μ)·g;  m̃ = (1-μ)·g + μ·m with nesterov, else m;
+    O = NSₖ(m̃ / max(‖m̃‖_F, ε));  p ← p - η·(s(A, B)·O + λ·p),
+    with η = `lr`, μ = `momentum`, λ = `weight_decay`, k = `ns_steps`; each NS iteration is
+    X ← a·X + (b·XXᵀ + c·(XXᵀ)²)·X in `ns_dtype` with (a, b, c) from `ns_coefficients`;
+    s(A, B) = max(1, A/B)^½ (`adjust_lr="original"`, Keller Jordan) or 0.2·max(A, B)^½
+    (`"match_rms_adamw"`, Moonlight) for a leaf seen as an A × B matrix.
+
+    Args:
+      ns_dtype: the dtype of the Newton-Schulz iterations.
+      ns_coefficients: (a, b, c) for every iteration (default torch.optim.Muon's NS5),
+        a sequence of (a, b, c) per iteration, or "polar_express" (Amsel et al. 2025).
+
+    Warning:
+        Defaults differ from `torch.optim.Muon` (lr=1e-3, weight_decay=0.1): lr=0.02 is Keller
+        Jordan's. Leaves with more than 2 dims (conv filters) are orthogonalized as
+        shape[0] × prod(rest) matrices (torch refuses them); 0-D/1-D leaves raise — use `muon_adamw`.
+
+    Example:
+        >>> import torch, purestep.core as ps
+        >>> opt = ps.muon(lr=0.1, ns_dtype=torch.float32)
+        >>> params = {"w": torch.zeros(2, 2)}
+        >>> updates, _ = opt.update({"w": torch.eye(2)}, opt.init(params), params)
+        >>> bool(updates["w"].diag().lt(-0.05).all())
+        True
+
+    References:
+        Jordan et al., Muon: An optimizer for hidden layers in neural networks, 2024;
+        Liu et al., Muon is Scalable for LLM Training, 2025;
+        Amsel et al., The Polar Express: Optimal Matrix Sign Methods and Their Application to the Muon Algorithm, 2025.
+    """
+    _check_lr(lr)
+    check_hyperparam("weight_decay", weight_decay)
+    check_nonnegative("weight_decay", weight_decay)
+    block = scale_by_muon(
+        momentum, nesterov, ns_steps, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, adjust_lr=adjust_lr, eps=eps
+    )
+    return chain(block, _decay(weight_decay), scale_by_lr(lr))
+
+
+def muon_adamw(
+    lr: ScalarOrSchedule = 0.02,
+    momentum: ScalarOrSchedule = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    weight_decay: ScalarOrSchedule = 0.01,
+    adjust_lr: str = "original",
+    ns_dtype: torch.dtype = torch.bfloat16,
+    ns_coefficients: Coefficients = NS5_COEFFICIENTS,
+    *,
+    adamw_lr: ScalarOrSchedule = 3e-4,
+    adamw_betas: tuple[ScalarOrSchedule, ScalarOrSchedule] = (0.9, 0.95),
+    adamw_eps: float = 1e-10,
+    adamw_weight_decay: ScalarOrSchedule = 0.01,
+    labels: Any = muon_labels,
+) -> Transform:
+    """Keller Jordan's hybrid: `muon` for hidden matrices, `adamw` for everything else.
+
+    `partition({"muon": muon(lr, ..., weight_decay), "adamw": adamw(adamw_lr, adamw_betas,
+    adamw_eps, adamw_weight_decay)}, labels)`; see `muon` and `adamw` for the rules and
+    `muon_labels` for the default routing (embeddings, output head, norms, biases → AdamW).
+
+    Args:
+      lr, weight_decay: Muon's side. Defaults lr=0.02, weight_decay=0.01: the
+        `MuonWithAuxAdam` recipe of the KellerJordan/Muon README.
+      adamw_lr, adamw_betas, adamw_weight_decay: AdamW's side. Defaults 3e-4, (0.9, 0.95),
+        0.01: the same README recipe.
+      adamw_eps: 1e-10, the eps of KellerJordan/Muon's `adam_update`.
+      labels: "muon"/"adamw" per leaf, a str pytree or `callable(params)`.
+
+    Example:
+        >>> import torch, purestep.core as ps
+        >>> opt = ps.muon_adamw()
+        >>> params = {"h.0.weight": torch.zeros(4, 4), "h.0.bias": torch.zeros(4)}
+        >>> state = opt.init(params)
+        >>> sorted(state.inner_states["muon"][0].mu)
+        ['h.0.weight']
+
+    References:
+        Jordan et al., Muon: An optimizer for hidden layers in neural networks, 2024
+        (github.com/KellerJordan/Muon, README "MuonWithAuxAdam").
+    """
+    return partition(
+        {
+            "muon": muon(lr, momentum, nesterov, ns_steps, weight_decay, adjust_lr, ns_dtype, ns_coefficients),
+            "adamw": adamw(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay),
+        },
+        labels,
+    )
+
+
+def schedule_free_adamw(
+    lr: ScalarOrSchedule = 0.0025,
+    betas: tuple[ScalarOrSchedule, ScalarOrSchedule] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: ScalarOrSchedule = 0.0,
+    warmup_steps: int = 0,
+    r: float = 0.0,
+    weight_lr_power: float = 2.0,
+) -> Transform:
+    """Schedule-free AdamW, = `schedulefree.AdamWScheduleFree`; params in training are y.
+
+    ηₜ = η·min(1, (t+1)/warmup);  v ← β₂·v + (1-β₂)·g²;  ĝ = g / (√(v/(1-β₂ᵗ⁺¹)) + ε) + λ·y;
+    wₜ = (t+1)ʳ·max_{s≤t}(ηₛ)^p;  c = wₜ / Σ_{s≤t} wₛ;
+    y ← (1-c)·y + c·z + ηₜ·(β₁(1-c) - 1)·ĝ;  z ← z - ηₜ·ĝ,
+    with η = `lr`, (β₁, β₂) = `betas`, ε = `eps`, λ = `weight_decay` (at y), r = `r`,
+    p = `weight_lr_power`, t the update count from 0. Evaluate at x = y + (1 - 1/β₁)·(z - y):
+    `ps.schedule_free_eval_params(state, params)`.
+
+    Warning:
+        No train()/eval() modes: params stay y; x is an explicit output.
+
+    Example:
+        >>> import torch, purestep.core as ps
+        >>> opt = ps.schedule_free_adamw(lr=0.1, warmup_steps=10)
+        >>> y = {"w": torch.ones(2)}
+        >>> updates, state = opt.update({"w": torch.ones(2)}, opt.init(y), y)
+        >>> updates["w"]  # first update: lr·1/10 of warmup, c = 1 so y moves onto z
+        tensor([-0.0100, -0.0100])
+
+    References:
+        Defazio et al., The Road Less Scheduled, 2024.
+    """
+    _check_lr(lr)
+    b1, b2 = check_betas(betas)
+    check_hyperparam("weight_decay", weight_decay)
+    check_nonnegative("weight_decay", weight_decay)
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+    lr_t = warmup_lr(lr, warmup_steps)
+    base = chain(scale_by_adam(0.0, b2, eps), _decay(weight_decay), scale_by_lr(lr_t))
+    return schedule_free(base, lr_t, b1, r=r, weight_lr_power=weight_lr_power)
+
+
+def sophia(
+    lr: ScalarOrSchedule = 1e-4,
+    betas: tuple[ScalarOrSchedule, ScalarOrSchedule] = (0.965, 0.99),
+    rho: ScalarOrSchedule = 0.04,
+    weight_decay: ScalarOrSchedule = 0.1,
+    eps: float = 1e-15,
+    update_every: int = 10,
+) -> Transform:
+    """SophiaG, = the official `SophiaG` (`sophia-opt`) with its `bs` folded into the estimate.
+
+    m ← β₁·m + (1-β₁)·g;  h ← β₂·h + (1-β₂)·ĥ on updates t ≡ 0 (mod k), else h unchanged;
+    p ← p - η·(sign(m)·min(|m| / (ρ·h + ε), 1) + λ·p),
+    with η = `lr`, (β₁, β₂) = `betas`, ρ = `rho`, ε = `eps`, λ = `weight_decay`,
+    k = `update_every`, ĥ the curvature estimate passed as `update(..., hessian=ĥ)`
+    (e.g. `ps.gnb_hessian`, = B·ĝ²). Each element moves by at most η (plus decay).
+
+    Warning:
+        The official optimizer keeps the EMA of ĝ² and multiplies by the batch size `bs`
+        when stepping; here ĥ already carries it (B·ĝ²), so pass `bs * grad**2` to match.
+        The refresh happens inside the update that receives `hessian` (the official loop
+        calls `update_hessian()` after the step), and updates without one keep h.
+
+    Example:
+        >>> import torch, purestep.core as ps
+        >>> opt = ps.sophia(lr=0.1, weight_decay=0.0)
+        >>> params = {"w": torch.ones(2)}
+        >>> g = {"w": torch.tensor([1.0, -1.0])}
+        >>> h = {"w": torch.tensor([1e-3, 1e3])}  # flat: clipped to lr; curved: a small step
+        >>> updates, state = opt.update(g, opt.init(params), params, hessian=h)
+        >>> updates["w"]
+        tensor([-0.1000,  0.0088])
+
+    References:
+        Liu et al., Sophia: A Scalable Stochastic Second-order Optimizer for Language Model Pre-training, 2023.
+    """
+    _check_lr(lr)
+    b1, b2 = check_betas(betas)
+    check_hyperparam("weight_decay", weight_decay)
+    check_nonnegative("weight_decay", weight_decay)
+    return chain(scale_by_sophia(b1, b2, rho, eps, update_every=update_every), _decay(weight_decay), scale_by_lr(lr))

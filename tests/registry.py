@@ -51,6 +51,13 @@ TRANSFORMS: dict[str, Case] = {
         Case("inject_hyperparams", lambda: ps.inject_hyperparams(ps.adamw)(lr=lambda t: 1e-2 * 0.9**t)),
         Case("apply_if_finite", lambda: ps.apply_if_finite(ps.adam(1e-2))),
         Case("accumulate", lambda: ps.accumulate(ps.sgd(0.1, momentum=0.9), every=2)),
+        Case("muon", lambda: ps.muon(0.02, weight_decay=0.1), decoupled_decay=True, matrices_only=True),
+        Case("scale_by_muon", lambda: ps.scale_by_muon(ns_coefficients="polar_express"), needs_params=False, matrices_only=True),
+        Case("muon_adamw", lambda: ps.muon_adamw()),
+        Case("schedule_free_adamw", lambda: ps.schedule_free_adamw(1e-2, weight_decay=0.1, warmup_steps=3)),
+        Case("schedule_free", lambda: ps.schedule_free(ps.chain(ps.scale_by_adam(0.0), ps.scale_by_lr(1e-2)), 1e-2)),
+        Case("sophia", lambda: ps.sophia(1e-2, weight_decay=0.1), decoupled_decay=True, sign_based=True),
+        Case("scale_by_sophia", lambda: ps.scale_by_sophia(update_every=2), needs_params=False),
     ]
 }
 
@@ -78,4 +85,6 @@ NOT_TRANSFORMS = {
     "MaskedState", "PartitionState", "InjectHyperparamsState", "ApplyIfFiniteState",
     "AccumulateState", "ScaleByLrState", "TraceState", "ScaleByAdamState",
     "ScaleByLionState", "AddDecayedWeightsState",
+    "muon_labels", "schedule_free_eval_params", "gnb_hessian",
+    "ScaleByMuonState", "ScheduleFreeState", "ScaleBySophiaState",
 }

@@ -8,6 +8,12 @@ Everything here is a pure function over pytrees of tensors (`torch.utils._pytree
 from ._base import EmptyState as EmptyState
 from ._base import Schedule as Schedule
 from ._base import Transform as Transform
+from ._clipping import ClipByGlobalNormState as ClipByGlobalNormState
+from ._clipping import ClipByRunningNormState as ClipByRunningNormState
+from ._clipping import adaptive_clip as adaptive_clip
+from ._clipping import clip_by_global_norm as clip_by_global_norm
+from ._clipping import clip_by_running_norm as clip_by_running_norm
+from ._clipping import clip_by_value as clip_by_value
 from ._combine import AccumulateState as AccumulateState
 from ._combine import ApplyIfFiniteState as ApplyIfFiniteState
 from ._combine import InjectHyperparamsState as InjectHyperparamsState
@@ -118,6 +124,13 @@ __all__ = [
     "ScaleByAdamState",
     "ScaleByLionState",
     "AddDecayedWeightsState",
+    # clipping
+    "clip_by_global_norm",
+    "clip_by_value",
+    "adaptive_clip",
+    "clip_by_running_norm",
+    "ClipByGlobalNormState",
+    "ClipByRunningNormState",
     # schedules
     "constant_schedule",
     "linear_schedule",

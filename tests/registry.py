@@ -51,6 +51,10 @@ TRANSFORMS: dict[str, Case] = {
         Case("inject_hyperparams", lambda: ps.inject_hyperparams(ps.adamw)(lr=lambda t: 1e-2 * 0.9**t)),
         Case("apply_if_finite", lambda: ps.apply_if_finite(ps.adam(1e-2))),
         Case("accumulate", lambda: ps.accumulate(ps.sgd(0.1, momentum=0.9), every=2)),
+        Case("clip_by_global_norm", lambda: ps.clip_by_global_norm(1.0), needs_params=False),
+        Case("clip_by_value", lambda: ps.clip_by_value(0.5), needs_params=False),
+        Case("adaptive_clip", lambda: ps.adaptive_clip(0.05)),
+        Case("clip_by_running_norm", lambda: ps.clip_by_running_norm(2.0, 0.9, warmup_steps=2), needs_params=False),
         Case("muon", lambda: ps.muon(0.02, weight_decay=0.1), decoupled_decay=True, matrices_only=True),
         Case("scale_by_muon", lambda: ps.scale_by_muon(ns_coefficients="polar_express"), needs_params=False, matrices_only=True),
         Case("muon_adamw", lambda: ps.muon_adamw()),
@@ -85,6 +89,7 @@ NOT_TRANSFORMS = {
     "MaskedState", "PartitionState", "InjectHyperparamsState", "ApplyIfFiniteState",
     "AccumulateState", "ScaleByLrState", "TraceState", "ScaleByAdamState",
     "ScaleByLionState", "AddDecayedWeightsState",
+    "ClipByGlobalNormState", "ClipByRunningNormState",
     "muon_labels", "schedule_free_eval_params", "gnb_hessian",
     "ScaleByMuonState", "ScheduleFreeState", "ScaleBySophiaState",
 }

@@ -1,0 +1,247 @@
+"""Checkpoints: bit-exact round trips, loud failures naming the file, atomic saves, keep_last."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+
+import purestep.core as ps
+from purestep.api import (
+    CheckpointError,
+    checkpoint_dir,
+    latest_checkpoint,
+    load_checkpoint,
+    read_manifest,
+    save_checkpoint,
+)
+from purestep.api import checkpoint as ckpt_module
+
+
+def trained_state(steps: int = 3):
+    """Params, AdamW state and an EMA tree after a few real steps, in several dtypes."""
+    g = torch.Generator().manual_seed(0)
+    params = {
+        "layers.0.weight": torch.randn(4, 3, generator=g, dtype=torch.float64),
+        "layers.0.bias": torch.randn(4, generator=g, dtype=torch.float32),
+        "head.weight": torch.randn(2, 4, generator=g).to(torch.bfloat16),
+        "scale": torch.randn((), generator=g, dtype=torch.float64),
+    }
+    opt = ps.chain(ps.clip_by_global_norm(1.0), ps.inject_hyperparams(ps.adamw)(lr=1e-2, weight_decay=0.1))
+    state = opt.init(params)
+    ema = {k: v.clone() for k, v in params.items()}
+    for _ in range(steps):
+        grads = {k: torch.randn(v.shape, generator=g).to(v.dtype) for k, v in params.items()}
+        updates, state = opt.update(grads, state, params)
+        params = ps.apply_updates(params, updates)
+        ema = {k: 0.9 * ema[k] + 0.1 * params[k] for k in params}
+    return opt, params, state, ema
+
+
+def assert_trees_equal(a, b):
+    pa, pb = ps.tree_flatten_with_path(a)[0], ps.tree_flatten_with_path(b)[0]
+    assert [p for p, _ in pa] == [p for p, _ in pb]
+    for (path, x), (_, y) in zip(pa, pb):
+        assert x.dtype == y.dtype and x.shape == y.shape, path
+        assert torch.equal(x, y), path
+
+
+@pytest.fixture
+def run(tmp_path):
+    """A run directory with two good checkpoints (steps 1 and 3)."""
+    opt, params, state, ema = trained_state(1)
+    save_checkpoint(checkpoint_dir(tmp_path, 1), params=params, opt_state=state, ema=ema, step=1)
+    opt, params, state, ema = trained_state(3)
+    save_checkpoint(checkpoint_dir(tmp_path, 3), params=params, opt_state=state, ema=ema, step=3)
+    return tmp_path
+
+
+def test_round_trip_is_bit_exact_for_params_opt_state_and_ema(tmp_path):
+    opt, params, state, ema = trained_state()
+    path = save_checkpoint(
+        tmp_path / "ck", params=params, opt_state=state, ema=ema, step=3,
+        config={"lr": 1e-2}, data_state={"epoch": 0, "offset": 96}, metadata={"note": "hi"},
+    )
+    like = opt.init(params)
+    loaded = load_checkpoint(path, opt_state_like=like, ema_like=ema)
+    assert loaded.step == 3
+    assert list(loaded.params) == list(params)
+    assert_trees_equal(loaded.params, params)
+    assert_trees_equal(loaded.opt_state, state)
+    assert type(loaded.opt_state[1]) is type(state[1])
+    assert_trees_equal(loaded.ema, ema)
+    assert loaded.manifest.config == {"lr": 1e-2}
+    assert loaded.manifest.data_state == {"epoch": 0, "offset": 96}
+    assert loaded.manifest.metadata == {"note": "hi"}
+    assert loaded.manifest.versions["torch"] == str(torch.__version__)
+    # Without a template the state comes back flat, by key path.
+    flat = load_checkpoint(path).opt_state
+    assert set(flat) == set(ps.tree_paths(state))
+    # Only safetensors and the JSON manifest are written: no pickle.
+    assert sorted(p.name for p in path.iterdir()) == [
+        "ema.safetensors", "manifest.json", "opt_state.safetensors", "params.safetensors", "rng.safetensors",
+    ]
+
+
+def test_resuming_from_a_checkpoint_continues_bit_for_bit(tmp_path):
+    opt, params, state, _ = trained_state(3)
+    g = torch.Generator().manual_seed(5)
+    grads = [{k: torch.randn(v.shape, generator=g).to(v.dtype) for k, v in params.items()} for _ in range(4)]
+    save_checkpoint(tmp_path / "ck", params=params, opt_state=state, step=3)
+    loaded = load_checkpoint(tmp_path / "ck", opt_state_like=opt.init(params))
+    a, sa, b, sb = params, state, loaded.params, loaded.opt_state
+    for gr in grads:
+        u, sa = opt.update(gr, sa, a)
+        a = ps.apply_updates(a, u)
+        u, sb = opt.update(gr, sb, b)
+        b = ps.apply_updates(b, u)
+    assert_trees_equal(a, b)
+    assert_trees_equal(sa, sb)
+
+
+def test_rng_states_are_saved_and_restored(tmp_path):
+    torch.manual_seed(11)
+    random.seed(11)
+    path = save_checkpoint(tmp_path / "ck", params={"w": torch.zeros(1)}, step=0)
+    expected = (torch.rand(5), random.random())
+    torch.manual_seed(0)
+    random.seed(0)
+    load_checkpoint(path).restore_rng()
+    got = (torch.rand(5), random.random())
+    assert torch.equal(expected[0], got[0]) and expected[1] == got[1]
+    assert load_checkpoint(path).rng["torch.cpu"].dtype == torch.uint8
+
+
+@pytest.mark.parametrize("name", ["params", "opt_state", "ema", "rng"])
+def test_a_flipped_byte_in_any_file_fails_naming_it_while_the_previous_loads(run, name):
+    path = checkpoint_dir(run, 3) / f"{name}.safetensors"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"{name}.safetensors: corrupted"):
+        load_checkpoint(checkpoint_dir(run, 3))
+    assert load_checkpoint(checkpoint_dir(run, 1)).step == 1
+
+
+def test_a_truncated_file_fails_naming_it(run):
+    path = checkpoint_dir(run, 3) / "opt_state.safetensors"
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(CheckpointError, match="opt_state.safetensors: truncated"):
+        load_checkpoint(checkpoint_dir(run, 3))
+    assert load_checkpoint(checkpoint_dir(run, 1)).step == 1
+
+
+def test_a_missing_file_fails_naming_it(run):
+    (checkpoint_dir(run, 3) / "ema.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="ema.safetensors: missing"):
+        load_checkpoint(checkpoint_dir(run, 3))
+    (checkpoint_dir(run, 3) / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="manifest.json: missing"):
+        load_checkpoint(checkpoint_dir(run, 3))
+    assert load_checkpoint(checkpoint_dir(run, 1)).step == 1
+
+
+def test_a_manifest_edited_by_hand_fails_naming_it(run):
+    path = checkpoint_dir(run, 3) / "manifest.json"
+    text = path.read_text()
+    path.write_text(text.replace('"step": 3', '"step": 4'))
+    with pytest.raises(CheckpointError, match="manifest.json: checksum mismatch"):
+        load_checkpoint(checkpoint_dir(run, 3))
+    path.write_text(text[: len(text) // 2])
+    with pytest.raises(CheckpointError, match="manifest.json: unreadable"):
+        load_checkpoint(checkpoint_dir(run, 3))
+    assert load_checkpoint(checkpoint_dir(run, 1)).step == 1
+
+
+def test_a_file_swapped_for_another_valid_one_fails(run):
+    # Both are valid safetensors files; only the manifest's hashes can tell them apart.
+    new, old = checkpoint_dir(run, 3) / "params.safetensors", checkpoint_dir(run, 1) / "params.safetensors"
+    new.write_bytes(old.read_bytes())
+    with pytest.raises(CheckpointError, match="params.safetensors: corrupted"):
+        load_checkpoint(checkpoint_dir(run, 3))
+
+
+def test_a_save_that_fails_part_way_leaves_no_checkpoint_to_pick(run, monkeypatch):
+    calls = []
+    real = ckpt_module._write_tensors
+
+    def crash_on_second_file(path, tensors):
+        calls.append(path)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed during the write")
+        return real(path, tensors)
+
+    monkeypatch.setattr(ckpt_module, "_write_tensors", crash_on_second_file)
+    _, params, state, _ = trained_state(1)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(checkpoint_dir(run, 5), params=params, opt_state=state, step=5, keep_last=1)
+    assert latest_checkpoint(run) == checkpoint_dir(run, 3)
+    assert not checkpoint_dir(run, 5).exists()
+    assert load_checkpoint(latest_checkpoint(run)).step == 3
+    assert checkpoint_dir(run, 1).exists()  # keep_last pruned nothing: the new one never completed
+
+
+def test_a_process_killed_mid_save_leaves_only_a_hidden_temp_dir(run, monkeypatch):
+    # A killed process runs no cleanup: model that by disabling it.
+    monkeypatch.setattr(ckpt_module.shutil, "rmtree", lambda *a, **k: None)
+    monkeypatch.setattr(ckpt_module, "_publish", lambda tmp, final: (_ for _ in ()).throw(SystemExit(9)))
+    _, params, state, _ = trained_state(1)
+    with pytest.raises(SystemExit):
+        save_checkpoint(checkpoint_dir(run, 5), params=params, opt_state=state, step=5)
+    leftovers = [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
+    assert leftovers and (run / "checkpoints" / leftovers[0] / "manifest.json").exists()
+    assert latest_checkpoint(run) == checkpoint_dir(run, 3)
+
+
+def test_keep_last_prunes_the_oldest_after_the_new_one_is_complete(tmp_path):
+    params = {"w": torch.zeros(2)}
+    for step in range(1, 6):
+        save_checkpoint(checkpoint_dir(tmp_path, step), params=params, step=step, keep_last=2)
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["step_00000004", "step_00000005"]
+
+
+def test_saving_again_at_the_same_path_replaces_it(tmp_path):
+    save_checkpoint(tmp_path / "ck", params={"w": torch.zeros(2)}, step=1)
+    save_checkpoint(tmp_path / "ck", params={"w": torch.ones(2)}, step=2)
+    loaded = load_checkpoint(tmp_path / "ck")
+    assert loaded.step == 2 and torch.equal(loaded.params["w"], torch.ones(2))
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"]
+
+
+def test_latest_checkpoint_looks_in_the_run_dir_or_the_folder_itself(run, tmp_path_factory):
+    assert latest_checkpoint(run) == checkpoint_dir(run, 3)
+    assert latest_checkpoint(run / "checkpoints") == checkpoint_dir(run, 3)
+    assert latest_checkpoint(tmp_path_factory.mktemp("empty")) is None
+    assert latest_checkpoint(run / "nowhere") is None
+
+
+def test_a_state_tree_that_does_not_match_names_the_path(run):
+    _, params, _, _ = trained_state(0)
+    other = ps.sgd(0.1, momentum=0.9).init(params)
+    with pytest.raises(CheckpointError, match=r"opt_state.safetensors: has no state at '1.trace.layers.0.weight'"):
+        load_checkpoint(checkpoint_dir(run, 3), opt_state_like=other)
+    wrong_dtype = ps.adamw(1e-2).init({k: v.double() for k, v in params.items()})
+    like = trained_state(0)[2]
+    like = (like[0], like[1]._replace(inner_state=wrong_dtype))
+    with pytest.raises(CheckpointError, match=r"state '1.inner_state.0.mu.layers.0.bias' is \(4,\) torch.float32"):
+        load_checkpoint(checkpoint_dir(run, 3), opt_state_like=like)
+
+
+def test_non_tensor_state_leaves_are_refused_naming_the_path(tmp_path):
+    with pytest.raises(ValueError, match="opt_state leaf 'step' is int"):
+        save_checkpoint(tmp_path / "ck", params={"w": torch.zeros(1)}, opt_state={"step": 3}, step=1)
+    assert not (tmp_path / "ck").exists()
+
+
+def test_config_struct_is_kept_in_the_manifest(tmp_path):
+    class Small(msgspec.Struct, frozen=True):
+        lr: float = 0.1
+        name: str = "adamw"
+
+    path = save_checkpoint(tmp_path / "ck", params={"w": torch.zeros(1)}, step=0, config=Small())
+    assert read_manifest(path).config == {"lr": 0.1, "name": "adamw"}
+    assert isinstance(read_manifest(Path(path)).files["params.safetensors"].sha256, str)

@@ -29,6 +29,9 @@ from ._combine import partition as partition
 from ._combine import set_hyperparam as set_hyperparam
 from ._decay import AddDecayedWeightsState as AddDecayedWeightsState
 from ._decay import add_decayed_weights as add_decayed_weights
+from ._decay import decay_mask as decay_mask
+from ._decay import layerwise_lr_decay as layerwise_lr_decay
+from ._decay import scale_per_leaf as scale_per_leaf
 from ._optimizers import adam as adam
 from ._optimizers import adamw as adamw
 from ._optimizers import lamb as lamb
@@ -131,6 +134,10 @@ __all__ = [
     "clip_by_running_norm",
     "ClipByGlobalNormState",
     "ClipByRunningNormState",
+    # parameter-group rules
+    "decay_mask",
+    "layerwise_lr_decay",
+    "scale_per_leaf",
     # schedules
     "constant_schedule",
     "linear_schedule",

@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, NamedTuple
 
+import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
 from . import _tree as tr
-from ._base import EmptyState, Params, ScalarOrSchedule, Transform, check_hyperparam, check_nonnegative, leaf_device, resolve, zero_count
+from ._base import (
+    EmptyState,
+    Params,
+    PyTree,
+    ScalarOrSchedule,
+    Transform,
+    check_hyperparam,
+    check_nonnegative,
+    is_static,
+    leaf_device,
+    resolve,
+    zero_count,
+)
 from ._combine import masked
 
 
@@ -54,3 +68,147 @@ def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0, mask: Any = None) 
 
     t = Transform(init, update)
     return t if mask is None else masked(t, mask)
+
+
+# --------------------------------------------------------------------------- #
+# Parameter-group rules: which leaves decay, per-leaf lr multipliers.
+# --------------------------------------------------------------------------- #
+
+# Matched against the last two components of a leaf's dotted name (the module and
+# the parameter), lower-cased, so `layers.0.attention_norm.weight`, `ln_f.weight`,
+# `bn1.weight` and `LayerNorm.weight` are norm scales while `patch_embed.proj.weight`
+# (a conv) is not an embedding.
+_NORM_NAME = re.compile(r"norm|^ln(_|\d|$)|_ln(_|\d|$)|^bn(_|\d|$)|_bn(_|\d|$)|^gn(_|\d|$)")
+_EMBED_NAME = re.compile(r"embed|^wte$|^wpe$|^emb(_|$)|_emb$|(^|_)token(s)?$|^pos_?emb")
+_BIAS_NAME = re.compile(r"bias")
+
+
+def _name_parts(path: str) -> list[str]:
+    return [part.lower() for part in path.split(".")[-2:]]
+
+
+def _is_embedding(path: str) -> bool:
+    return any(_EMBED_NAME.search(part) for part in _name_parts(path))
+
+
+def decay_mask(params: Params, exclude_embeddings: bool = True) -> PyTree:
+    """A bool tree like `params`: True for weight matrices, False for what should not decay.
+
+    False for 0-D and 1-D leaves (biases, norm gains, scalars), and by name for
+    biases (`bias`), every kind of norm scale (`norm`, `LayerNorm`, `ln_1`, `ln_f`,
+    `bn1`, `attention_norm`, `q_norm`...) and, with `exclude_embeddings`, embeddings
+    and learned tokens (`embed`, `wte`, `wpe`, `tok_embeddings`, `embed_tokens`,
+    `pos_embed`, `cls_token`). Pass it as `mask=ps.decay_mask` to `adamw`,
+    `add_decayed_weights` or `masked`.
+
+    Args:
+      params: a params tree; names are the dotted leaf paths (`named_parameters()` names).
+      exclude_embeddings: also exempt embedding tables (the usual GPT/LLaMA recipe).
+
+    Example:
+        >>> import torch, purestep.core as ps
+        >>> params = {"wte.weight": torch.zeros(10, 4), "h.0.attn.weight": torch.zeros(4, 4),
+        ...           "h.0.attn.bias": torch.zeros(4), "h.0.ln_1.weight": torch.zeros(4)}
+        >>> ps.decay_mask(params)
+        {'wte.weight': False, 'h.0.attn.weight': True, 'h.0.attn.bias': False, 'h.0.ln_1.weight': False}
+    """
+
+    def rule(path: str, leaf: Tensor) -> bool:
+        if leaf.dim() <= 1:
+            return False
+        parts = _name_parts(path)
+        if _BIAS_NAME.search(parts[-1]) or any(_NORM_NAME.search(p) for p in parts):
+            return False
+        return not (exclude_embeddings and _is_embedding(path))
+
+    return tr.tree_map_with_path(rule, params)
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)")
+
+
+def layerwise_lr_decay(params: Params, decay: float) -> PyTree:
+    """Per-leaf lr multipliers that shrink geometrically from the top layer down (LLRD).
+
+    With n layers found by index in the names (`layers.3.`, `h.3.`, `blocks.3.`,
+    `layer.3.`), a leaf of layer i gets decay^(n - i); embeddings (by name) get
+    decay^(n + 1); everything outside the layers (head, final norm) gets 1.
+    Feed the result to `scale_per_leaf`.
+
+    Args:
+      params: a params tree with `named_parameters()`-style dotted names.
+      decay: the per-layer factor, in (0, 1] (1 turns LLRD off).
+
+    Example:
+        >>> import torch, purestep.core as ps
+        >>> params = {"embed.weight": torch.zeros(1), "layers.0.w": torch.zeros(1),
+        ...           "layers.1.w": torch.zeros(1), "head.w": torch.zeros(1)}
+        >>> ps.layerwise_lr_decay(params, 0.5)
+        {'embed.weight': 0.125, 'layers.0.w': 0.25, 'layers.1.w': 0.5, 'head.w': 1.0}
+
+    References:
+        Clark et al., ELECTRA, 2020; Bao et al., BEiT, 2021 (layer-wise lr decay).
+    """
+    if not is_static(decay) or not 0.0 < decay <= 1.0:
+        raise ValueError(f"decay must be a float in (0, 1], got {decay!r}")
+    paths = tr.tree_paths(params)
+    found = [_LAYER_INDEX.search(p) for p in paths]
+    n = max((int(m.group(1)) + 1 for m in found if m), default=0)
+
+    def rule(path: str, leaf: Any) -> float:
+        m = _LAYER_INDEX.search(path)
+        if m:
+            return float(decay ** (n - int(m.group(1))))
+        if _is_embedding(path):
+            return float(decay ** (n + 1))
+        return 1.0
+
+    return tr.tree_map_with_path(rule, params)
+
+
+def scale_per_leaf(multipliers: Any) -> Transform:
+    """Multiply each leaf's update by its own constant multiplier (LLRD, μP-style width scaling).
+
+    Args:
+      multipliers: a tree like params of floats (or 0-d tensors), a single float for
+        every leaf, or `callable(tree) -> multipliers`, called with the grads (whose
+        names and shapes are the params'), e.g. `lambda g: ps.layerwise_lr_decay(g, 0.8)`.
+        Put it before `scale_by_lr` in a chain so it scales the lr of each leaf.
+
+    Example:
+        >>> import torch, purestep.core as ps
+        >>> t = ps.scale_per_leaf({"a": 0.5, "b": 2.0})
+        >>> g = {"a": torch.ones(1), "b": torch.ones(1)}
+        >>> t.update(g, t.init(g))[0]
+        {'a': tensor([0.5000]), 'b': tensor([2.])}
+    """
+    if is_static(multipliers):
+        check_hyperparam("multipliers", multipliers)
+    elif not callable(multipliers):
+        for path, m in tr.tree_flatten_with_path(multipliers)[0]:
+            check_hyperparam(f"multipliers leaf '{path}'", m)
+            if callable(m):
+                raise ValueError(f"multipliers leaf '{path}' must be a float or a 0-d tensor, not a schedule")
+
+    def init(params: Params) -> EmptyState:
+        return EmptyState()
+
+    def update(grads, state, params=None, **extra):
+        gs, spec = pytree.tree_flatten(grads)
+        ms = multipliers(grads) if callable(multipliers) else multipliers
+        if is_static(ms):
+            factors = [float(ms)] * len(gs)
+        else:
+            factors, m_spec = pytree.tree_flatten(ms)
+            if m_spec != spec:
+                raise ValueError(
+                    f"multipliers must have the structure of the grads ({len(gs)} leaves: "
+                    f"{', '.join(tr.tree_paths(grads)[:4])}...), got {len(factors)} leaves"
+                )
+        if tr.use_foreach(gs) and all(is_static(f) for f in factors):
+            out = list(torch._foreach_mul(gs, [float(f) for f in factors]))
+        else:
+            out = [g * f for g, f in zip(gs, factors)]
+        return pytree.tree_unflatten(tr.cast_like(out, gs), spec), state
+
+    return Transform(init, update)

@@ -55,6 +55,7 @@ TRANSFORMS: dict[str, Case] = {
         Case("clip_by_value", lambda: ps.clip_by_value(0.5), needs_params=False),
         Case("adaptive_clip", lambda: ps.adaptive_clip(0.05)),
         Case("clip_by_running_norm", lambda: ps.clip_by_running_norm(2.0, 0.9, warmup_steps=2), needs_params=False),
+        Case("scale_per_leaf", lambda: ps.scale_per_leaf(lambda g: ps.layerwise_lr_decay(g, 0.8)), needs_params=False),
         Case("muon", lambda: ps.muon(0.02, weight_decay=0.1), decoupled_decay=True, matrices_only=True),
         Case("scale_by_muon", lambda: ps.scale_by_muon(ns_coefficients="polar_express"), needs_params=False, matrices_only=True),
         Case("muon_adamw", lambda: ps.muon_adamw()),
@@ -90,6 +91,7 @@ NOT_TRANSFORMS = {
     "AccumulateState", "ScaleByLrState", "TraceState", "ScaleByAdamState",
     "ScaleByLionState", "AddDecayedWeightsState",
     "ClipByGlobalNormState", "ClipByRunningNormState",
+    "decay_mask", "layerwise_lr_decay",
     "muon_labels", "schedule_free_eval_params", "gnb_hessian",
     "ScaleByMuonState", "ScheduleFreeState", "ScaleBySophiaState",
 }

@@ -8,6 +8,14 @@ from .checkpoint import latest_checkpoint as latest_checkpoint
 from .checkpoint import load_checkpoint as load_checkpoint
 from .checkpoint import read_manifest as read_manifest
 from .checkpoint import save_checkpoint as save_checkpoint
+from .config import ConfigError as ConfigError
+from .config import DataConfig as DataConfig
+from .config import ModelConfig as ModelConfig
+from .config import OptimizerConfig as OptimizerConfig
+from .config import ScheduleConfig as ScheduleConfig
+from .config import TrainConfig as TrainConfig
+from .config import apply_overrides as apply_overrides
+from .config import load_config as load_config
 from .optimizer import Optimizer as Optimizer
 
 __all__: list[str] = [
@@ -20,4 +28,12 @@ __all__: list[str] = [
     "Checkpoint",
     "CheckpointError",
     "Manifest",
+    "TrainConfig",
+    "OptimizerConfig",
+    "ScheduleConfig",
+    "ModelConfig",
+    "DataConfig",
+    "ConfigError",
+    "load_config",
+    "apply_overrides",
 ]

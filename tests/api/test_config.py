@@ -1,0 +1,238 @@
+"""Configs: TOML/YAML/JSON load identically, overrides parse to the field's type, errors name the field."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+import torch
+
+import purestep.core as ps
+from purestep.api import ConfigError, Optimizer, TrainConfig, apply_overrides, load_config
+
+TOML = """
+steps = 200
+seed = 3
+batch_size = 64
+grad_accum = 2
+checkpoint_every = 50
+keep_last = 2
+strategy = "ddp"
+precision = "bf16"
+compile = true
+time_budget = 60.5
+ema_decay = 0.999
+
+[optimizer]
+name = "adamw"
+lr = 1e-3
+clip_grad_norm = 0.5
+
+[optimizer.kwargs]
+weight_decay = 0.1
+betas = [0.9, 0.95]
+mask = "decay_mask"
+
+[schedule]
+name = "warmup_cosine"
+warmup_steps = 10
+final_lr = 1e-5
+
+[model]
+n_layer = 2
+n_embd = 64
+
+[data]
+source = "stdlib"
+val_fraction = 0.1
+"""
+
+YAML = """
+steps: 200
+seed: 3
+batch_size: 64
+grad_accum: 2
+checkpoint_every: 50
+keep_last: 2
+strategy: ddp
+precision: bf16
+compile: true
+time_budget: 60.5
+ema_decay: 0.999
+optimizer:
+  name: adamw
+  lr: 1e-3
+  clip_grad_norm: 0.5
+  kwargs:
+    weight_decay: 0.1
+    betas: [0.9, 0.95]
+    mask: decay_mask
+schedule:
+  name: warmup_cosine
+  warmup_steps: 10
+  final_lr: 1e-5
+model:
+  n_layer: 2
+  n_embd: 64
+data:
+  source: stdlib
+  val_fraction: 0.1
+"""
+
+JSON = {
+    "steps": 200, "seed": 3, "batch_size": 64, "grad_accum": 2, "checkpoint_every": 50, "keep_last": 2,
+    "strategy": "ddp", "precision": "bf16", "compile": True, "time_budget": 60.5, "ema_decay": 0.999,
+    "optimizer": {
+        "name": "adamw", "lr": 1e-3, "clip_grad_norm": 0.5,
+        "kwargs": {"weight_decay": 0.1, "betas": [0.9, 0.95], "mask": "decay_mask"},
+    },
+    "schedule": {"name": "warmup_cosine", "warmup_steps": 10, "final_lr": 1e-5},
+    "model": {"n_layer": 2, "n_embd": 64},
+    "data": {"source": "stdlib", "val_fraction": 0.1},
+}
+
+
+@pytest.fixture
+def files(tmp_path):
+    (tmp_path / "run.toml").write_text(TOML)
+    (tmp_path / "run.yaml").write_text(YAML)
+    (tmp_path / "run.json").write_text(json.dumps(JSON))
+    return tmp_path
+
+
+def test_the_same_config_loads_identically_from_toml_yaml_and_json(files):
+    configs = [load_config(files / name) for name in ("run.toml", "run.yaml", "run.json")]
+    assert configs[0] == configs[1] == configs[2]
+    cfg = configs[0]
+    assert cfg.optimizer.lr == 1e-3 and cfg.schedule.final_lr == 1e-5  # YAML's 1e-3 is a float too
+    assert cfg.strategy == "ddp" and cfg.model.n_layer == 2 and cfg.model.n_head == 4
+    with pytest.raises(AttributeError):
+        cfg.steps = 5  # frozen
+
+
+def test_defaults_load_from_an_empty_file(tmp_path):
+    (tmp_path / "empty.toml").write_text("")
+    (tmp_path / "empty.yaml").write_text("")
+    assert load_config(tmp_path / "empty.toml") == TrainConfig() == load_config(tmp_path / "empty.yaml")
+
+
+def test_overrides_are_parsed_to_the_field_type(files):
+    cfg = load_config(
+        files / "run.toml",
+        [
+            "steps=300", "optimizer.lr=2e-3", "compile=false", "keep_last=none", "model.name=tiny",
+            "optimizer.kwargs.betas=[0.8, 0.9]", "optimizer.kwargs.mask=decay_mask", "data.source=123",
+            "schedule.name=cosine", "schedule.warmup_steps=null",
+        ],
+    )
+    assert cfg.steps == 300 and isinstance(cfg.steps, int)
+    assert cfg.optimizer.lr == 2e-3 and isinstance(cfg.optimizer.lr, float)
+    assert cfg.compile is False and cfg.keep_last is None
+    assert cfg.model.name == "tiny"
+    assert cfg.optimizer.kwargs["betas"] == [0.8, 0.9]
+    assert cfg.data.source == "123"  # a str field keeps the text
+    assert apply_overrides(cfg, ["optimizer.lr=1"]).optimizer.lr == 1.0
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (["bogus=1"], "bogus: unknown field"),
+        (["optimizer.bogus=1"], "optimizer.bogus: unknown field"),
+        (["steps=many"], "steps: Expected `int`"),
+        (["compile=3"], "compile: Expected `bool`"),
+        (["optimizer.lr=-0.1"], "optimizer.lr: Expected `float` >= 0.0"),
+        (["strategy=fsdp2x"], "strategy: Invalid enum value 'fsdp2x'"),
+        (["precision=fp8"], "precision: Invalid enum value 'fp8'"),
+        (["batch_size=0"], "batch_size: Expected `int` >= 1"),
+        (["grad_accum=3"], "grad_accum: 3 does not divide batch_size=64"),
+        (["model.n_head=3"], "model.n_embd: 64 is not divisible by n_head=3"),
+        (["data.val_fraction=1.5"], "data.val_fraction: Expected `float` < 1.0"),
+        (["optimizer.name=nonesuch"], "optimizer.name: 'nonesuch' is not a public purestep.core optimizer"),
+        (["optimizer.name=tree_get"], "optimizer.name: 'tree_get' is not a purestep optimizer"),
+        (["optimizer.kwargs.bogus=1"], "optimizer.kwargs.bogus: adamw has no argument 'bogus'"),
+        (["optimizer.kwargs.weight_decay=-1"], "optimizer.kwargs.weight_decay: weight_decay must be >= 0"),
+        (["optimizer.kwargs.betas=[0.9, 1.5]"], r"optimizer.kwargs.betas\[1\]: betas\[1\] must be in \[0, 1\)"),
+        (["optimizer.kwargs.mask=nonesuch"], "optimizer.kwargs.mask: 'nonesuch' is not a public purestep.core"),
+        (["schedule.name=nonesuch"], "schedule.name: 'nonesuch' is not a purestep schedule"),
+        (["schedule.name=cosine"], "schedule.warmup_steps: cosine_schedule takes no such argument"),
+        (["schedule.name=wsd"], "schedule.decay_steps: wsd_schedule needs 'decay_steps'"),
+        (["optimizer.lr.x=1"], "optimizer.lr.x: optimizer.lr is a value, not a table"),
+        (["steps"], "expected key.sub=value"),
+    ],
+)
+def test_bad_configs_raise_naming_the_field(files, overrides, field):
+    with pytest.raises(ConfigError, match=field):
+        load_config(files / "run.toml", overrides)
+
+
+def test_errors_in_the_file_name_the_file_and_the_field(files):
+    (files / "bad.toml").write_text(TOML.replace('[optimizer]\nname = "adamw"\nlr = 1e-3', '[optimizer]\nname = "adamw"\nlr = -1e-3'))
+    with pytest.raises(ConfigError, match=r"bad.toml: optimizer.lr: Expected `float` >= 0.0"):
+        load_config(files / "bad.toml")
+    (files / "bad.yaml").write_text(YAML.replace("  n_layer: 2", "  n_layer: 2\n  n_layers: 3"))
+    with pytest.raises(ConfigError, match=r"bad.yaml: model.n_layers: unknown field \(fields: name, vocab_size"):
+        load_config(files / "bad.yaml")
+    (files / "bad.json").write_text(json.dumps({**JSON, "strategy": "fsdp2x"}))
+    with pytest.raises(ConfigError, match=r"bad.json: strategy: Invalid enum value 'fsdp2x'"):
+        load_config(files / "bad.json")
+    (files / "broken.toml").write_text("steps = = 3")
+    with pytest.raises(ConfigError, match="broken.toml: not valid TOML"):
+        load_config(files / "broken.toml")
+    with pytest.raises(ConfigError, match="missing.toml: no such config file"):
+        load_config(files / "missing.toml")
+    (files / "run.ini").write_text("")
+    with pytest.raises(ConfigError, match="run.ini: unknown config format"):
+        load_config(files / "run.ini")
+
+
+def test_the_optimizer_section_builds_the_transform_it_names(files):
+    cfg = load_config(files / "run.toml", ["schedule.name=constant", "schedule.warmup_steps=none", "schedule.final_lr=0"])
+    params = {"h.weight": torch.randn(4, 4, dtype=torch.float64), "h.bias": torch.randn(4, dtype=torch.float64)}
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    ours = cfg.build_optimizer()
+    theirs = ps.chain(
+        ps.clip_by_global_norm(0.5), ps.adamw(1e-3, betas=(0.9, 0.95), weight_decay=0.1, mask=ps.decay_mask)
+    )
+    s1, s2 = ours.init(params), theirs.init(params)
+    p1, p2 = params, params
+    for _ in range(3):
+        u1, s1 = ours.update(grads, s1, p1)
+        u2, s2 = theirs.update(grads, s2, p2)
+        p1, p2 = ps.apply_updates(p1, u1), ps.apply_updates(p2, u2)
+    for k in params:
+        assert torch.equal(p1[k], p2[k]), k
+    assert float(ps.tree_get(s1, "lr")) == 1e-3  # injected: the lr in use is in the state
+
+
+def test_the_schedule_section_shapes_the_lr(files):
+    cfg = load_config(files / "run.toml")
+    schedule = cfg.build_schedule()
+    expected = ps.warmup_cosine_schedule(1e-3, 10, 200, final=1e-5)
+    for step in (0, 5, 10, 100, 199, 250):
+        assert float(schedule(torch.tensor(float(step), dtype=torch.float64))) == float(
+            expected(torch.tensor(float(step), dtype=torch.float64))
+        )
+    assert TrainConfig().build_schedule() == TrainConfig().optimizer.lr  # constant: a plain float
+
+
+def test_muon_config_resolves_names_and_dtypes():
+    cfg = apply_overrides(
+        TrainConfig(),
+        ["optimizer.name=muon_adamw", "optimizer.lr=0.02", "optimizer.kwargs.ns_dtype=float32",
+         "optimizer.kwargs.labels=muon_labels"],
+    )
+    opt = cfg.build_optimizer(inject=False)
+    model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 8))
+    adapter = Optimizer(model.named_parameters(), opt)
+    model(torch.arange(8)).sum().backward()
+    adapter.step()
+    with pytest.raises(ConfigError, match="optimizer.kwargs.ns_dtype: 'float33' is not a torch dtype"):
+        apply_overrides(cfg, ["optimizer.kwargs.ns_dtype=float33"])
+
+
+def test_the_config_round_trips_through_plain_data():
+    cfg = apply_overrides(TrainConfig(), ["optimizer.kwargs.betas=[0.9, 0.95]", "seed=7"])
+    assert msgspec.convert(msgspec.to_builtins(cfg), TrainConfig) == cfg
+    assert msgspec.json.decode(msgspec.json.encode(cfg), type=TrainConfig) == cfg

@@ -5,6 +5,11 @@ Everything here is a pure function over pytrees of tensors (`torch.utils._pytree
 `params = apply_updates(params, updates)`.
 """
 
+from ._averaging import Averager as Averager
+from ._averaging import ParamsEmaState as ParamsEmaState
+from ._averaging import ParamsSwaState as ParamsSwaState
+from ._averaging import params_ema as params_ema
+from ._averaging import params_swa as params_swa
 from ._base import EmptyState as EmptyState
 from ._base import Schedule as Schedule
 from ._base import Transform as Transform
@@ -28,6 +33,9 @@ from ._combine import masked as masked
 from ._combine import partition as partition
 from ._combine import set_hyperparam as set_hyperparam
 from ._decay import AddDecayedWeightsState as AddDecayedWeightsState
+from ._loss_scale import DynamicLossScaleState as DynamicLossScaleState
+from ._loss_scale import LossScaler as LossScaler
+from ._loss_scale import dynamic_loss_scale as dynamic_loss_scale
 from ._decay import add_decayed_weights as add_decayed_weights
 from ._decay import decay_mask as decay_mask
 from ._decay import layerwise_lr_decay as layerwise_lr_decay
@@ -138,6 +146,15 @@ __all__ = [
     "decay_mask",
     "layerwise_lr_decay",
     "scale_per_leaf",
+    # averaging and loss scaling
+    "params_ema",
+    "params_swa",
+    "Averager",
+    "ParamsEmaState",
+    "ParamsSwaState",
+    "dynamic_loss_scale",
+    "LossScaler",
+    "DynamicLossScaleState",
     # schedules
     "constant_schedule",
     "linear_schedule",

@@ -92,6 +92,8 @@ NOT_TRANSFORMS = {
     "ScaleByLionState", "AddDecayedWeightsState",
     "ClipByGlobalNormState", "ClipByRunningNormState",
     "decay_mask", "layerwise_lr_decay",
+    "params_ema", "params_swa", "Averager", "ParamsEmaState", "ParamsSwaState",
+    "dynamic_loss_scale", "LossScaler", "DynamicLossScaleState",
     "muon_labels", "schedule_free_eval_params", "gnb_hessian",
     "ScaleByMuonState", "ScheduleFreeState", "ScaleBySophiaState",
 }

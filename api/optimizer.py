@@ -16,6 +16,16 @@ _TORCH_NAMES = {"mu": "exp_avg", "nu": "exp_avg_sq", "trace": "momentum_buffer"}
 _STRUCTURE_KEYS = ("params", "param_names")
 
 
+class _ParamGroup(dict):
+    """A param group whose missing keys say how to make a hyperparameter reachable."""
+
+    def __missing__(self, key: str) -> Any:
+        raise KeyError(
+            f"{key!r}: this param group holds no hyperparameter {key!r}; build the transform with "
+            f"ps.inject_hyperparams(factory)({key}=...) so schedulers and param groups can set it"
+        )
+
+
 class _Group:
     """What the adapter keeps per param group: its transform, state and pushed values."""
 
@@ -88,7 +98,7 @@ class Optimizer(torch.optim.Optimizer):
         """Add a group (as torch.optim); it may set hyperparameters or its own `"transform"`."""
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
-        param_group = dict(param_group)
+        param_group = _ParamGroup(param_group)
         transform = param_group.pop("transform", None) or self.transform
         if not isinstance(transform, ps.Transform):
             raise ValueError(f"param group 'transform' must be a ps.Transform, got {type(transform).__name__}")

@@ -283,3 +283,9 @@ def test_zero_grad_and_step_without_grads_are_no_ops():
 def test_a_non_transform_is_refused():
     with pytest.raises(ValueError, match="ps.Transform"):
         Optimizer(make_model().parameters(), torch.optim.SGD)
+
+
+def test_an_lr_scheduler_on_a_transform_without_injected_lr_says_how_to_fix_it():
+    opt = Optimizer(make_model().parameters(), ps.adamw(1e-2))
+    with pytest.raises(KeyError, match="inject_hyperparams"):
+        torch.optim.lr_scheduler.StepLR(opt, step_size=1)

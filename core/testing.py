@@ -104,16 +104,21 @@ def _brief(t: Tensor) -> str:
     return text
 
 
-@dataclasses.dataclass
 class Example:
-    """One drawn input for the checks: params, then per step a grads kind and seed."""
+    """One drawn input for the checks: params, then per step a grads kind and seed
+    (printed briefly, as hypothesis's counterexample)."""
 
-    params: dict[str, Tensor]
-    param_seed: int
-    grads: list[dict[str, Tensor]]
-    grad_kinds: list[tuple[str, int]]
-    extras: list[dict[str, Any]]
-    hyperparams: dict[str, Any]
+    def __init__(self, params, param_seed, grads, grad_kinds, extras, hyperparams):
+        self.params: dict[str, Tensor] = params
+        self.param_seed: int = param_seed
+        self.grads: list[dict[str, Tensor]] = grads
+        self.grad_kinds: list[tuple[str, int]] = grad_kinds
+        self.extras: list[dict[str, Any]] = extras
+        self.hyperparams: dict[str, Any] = hyperparams
+
+    def replace(self, **changes: Any) -> "Example":
+        fields = dict(vars(self), **changes)
+        return Example(**fields)
 
     def __repr__(self) -> str:
         params = "{" + ", ".join(f"{k!r}: {_brief(v)}" for k, v in self.params.items()) + "}"
@@ -311,6 +316,9 @@ def _settings(max_examples: int | None) -> hypothesis.settings:
         max_examples=n,
         deadline=None,
         database=None,
+        report_multiple_bugs=False,
+        # No explain/target phases: they rerun failing examples many times, for notes we do not need.
+        phases=[hypothesis.Phase.explicit, hypothesis.Phase.reuse, hypothesis.Phase.generate, hypothesis.Phase.shrink],
         suppress_health_check=list(hypothesis.HealthCheck),
     )
 
@@ -379,10 +387,10 @@ def _trajectory(
             for label, now, then in zip(("grads", "state", "params", "extra keywords"), (g, state, p, extra), before):
                 if where := _first_difference(now, then):
                     raise InvariantError("purity", f"update mutated its {label} input at leaf '{where}' {_where(k, kind)}")
-        if "update_structure" in checks:
-            _check_updates(u, g, k, kind)
         if "state_stability" in checks:
             _check_state(new_state, init_spec, k, kind)
+        if "update_structure" in checks:
+            _check_updates(u, g, k, kind)
         if "finite_outputs" in checks:
             for label, tree in (("updates", u), ("state", new_state)):
                 for path, leaf in ps.tree_flatten_with_path(tree)[0]:
@@ -548,8 +556,8 @@ def _check_composition(factory, ex: Example, opts: _Options, ups: list, states: 
 
 def _float64(ex: Example) -> Example:
     cast = lambda tree: ps.tree_cast(tree, torch.float64)  # noqa: E731
-    return dataclasses.replace(
-        ex, params=cast(ex.params), grads=[cast(g) for g in ex.grads], extras=[cast(e) for e in ex.extras]
+    return ex.replace(
+        params=cast(ex.params), grads=[cast(g) for g in ex.grads], extras=[cast(e) for e in ex.extras]
     )
 
 
@@ -753,7 +761,7 @@ def check_scale_invariance(
         ex = _float64(ex)
         # Bounded away from zero, so eps never dominates an element.
         grads = [{k: torch.sign(v) * (0.1 + v.abs()) if v.any() else v for k, v in g.items()} for g in ex.grads]
-        ex = dataclasses.replace(ex, grads=grads)
+        ex = ex.replace(grads=grads)
         f = _factory(factory)
         ups, _, params = _trajectory(_make(f, ex), ex, opts)
         scaled, _, _ = _trajectory(
@@ -813,7 +821,7 @@ def check_schedule(
     bounds: tuple[float, float] | None = None,
     continuous: bool = True,
     max_turns: int | None = None,
-    jump_factor: float = 4.0,
+    jump_factor: float = 3.0,
 ) -> None:
     """Check a `step -> value` callable over steps 0..`steps` (exhaustively, no hypothesis).
 
@@ -852,6 +860,15 @@ def check_schedule(
             if not lo - tol <= v <= hi + tol:
                 raise InvariantError("bounds", f"schedule({k}) = {v} is outside [{lo}, {hi}]")
     deltas = [b - a for a, b in zip(values, values[1:])]
+    if continuous:
+        for k, d in enumerate(deltas):
+            near = [abs(deltas[j]) for j in (k - 1, k + 1) if 0 <= j < len(deltas)]
+            if near and abs(d) > jump_factor * max(near) + tol:
+                raise InvariantError(
+                    "continuity",
+                    f"the schedule jumps from {values[k]:.6g} at step {k} to {values[k + 1]:.6g} at step {k + 1} "
+                    f"(neighbouring steps change it by at most {max(near):.3g})",
+                )
     if boundaries is not None:
         edges = [0, *sorted(int(b) for b in boundaries if 0 < b < steps), steps]
         for lo, hi in zip(edges, edges[1:]):
@@ -868,12 +885,3 @@ def check_schedule(
         turns = [i for i, (a, b) in enumerate(zip(signs, signs[1:])) if a != b]
         if len(turns) > max_turns:
             raise InvariantError("monotone_phases", f"the schedule changes direction {len(turns)} times (> {max_turns})")
-    if continuous:
-        for k, d in enumerate(deltas):
-            near = [abs(deltas[j]) for j in (k - 1, k + 1) if 0 <= j < len(deltas)]
-            if near and abs(d) > jump_factor * max(near) + tol:
-                raise InvariantError(
-                    "continuity",
-                    f"the schedule jumps from {values[k]:.6g} at step {k} to {values[k + 1]:.6g} at step {k + 1} "
-                    f"(neighbouring steps change it by at most {max(near):.3g})",
-                )

@@ -1,0 +1,249 @@
+"""The testing kit passes good transforms and catches planted bugs, naming the invariant."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from hypothesis import given, settings
+
+import purestep.core as ps
+from purestep.core import testing as kit
+
+FAST = dict(max_examples=15)
+
+
+class _MomentumState(NamedTuple):
+    count: torch.Tensor  # (), int64
+    mu: dict
+
+
+def sign_momentum(lr: float = 1e-2, beta: float = 0.9, *, bug: str | None = None) -> ps.Transform:
+    """A small correct optimizer, with switches that plant one bug each."""
+
+    def init(params):
+        leaves = pytree.tree_leaves(params)
+        return _MomentumState(torch.zeros((), dtype=torch.int64), ps.tree_zeros_like(params))
+
+    def update(grads, state, params=None, **extra):
+        if bug == "mutates_grads":
+            for g in pytree.tree_leaves(grads):
+                g.mul_(1 - beta)
+        mu = pytree.tree_map(lambda m, g: beta * m + (1 - beta) * g, state.mu, grads)
+        if bug == "dtype_drift":
+            mu = pytree.tree_map(lambda m: m.to(torch.float64), mu)
+        if bug == "nan_on_zero":
+            updates = pytree.tree_map(lambda m: -lr * m / m.abs().max(), mu)
+        else:
+            updates = pytree.tree_map(lambda m: -lr * torch.sign(m).to(m.dtype), mu)
+        if bug == "python_count":
+            return updates, _MomentumState(int(state.count) + 1, mu)
+        return updates, _MomentumState(state.count + 1, mu)
+
+    return ps.Transform(init, update)
+
+
+def l2_adam(lr: float = 1e-2, weight_decay: float = 0.1) -> ps.Transform:
+    """Adam with L2 decay in the grads: what torch.optim.Adam does, not decoupled."""
+    return ps.chain(ps.add_decayed_weights(weight_decay), ps.scale_by_adam(), ps.scale_by_lr(lr))
+
+
+# --------------------------------------------------------------------------- #
+# Good transforms pass.
+# --------------------------------------------------------------------------- #
+
+
+def test_kit_passes_a_correct_custom_optimizer():
+    kit.check_transform(sign_momentum, **FAST)
+    kit.check_bounded_updates(sign_momentum, bound=1e-2, **FAST)
+
+
+def test_kit_passes_adamw_with_drawn_hyperparams_and_torch_reference():
+    kit.check_transform(
+        ps.adamw,
+        hyperparams=kit.hyperparams("lr", "betas", "weight_decay"),
+        reference=torch.optim.AdamW,
+        **FAST,
+    )
+
+
+def test_kit_passes_library_properties():
+    kit.check_decoupled_decay(lambda: ps.adamw(0.1, weight_decay=0.2), coefficient=-0.02, **FAST)
+    kit.check_scale_invariance(lambda: ps.adam(1e-2), **FAST)
+    kit.check_bounded_updates(lambda: ps.lion(1e-3, weight_decay=0.5), bound=1e-3, **FAST)
+
+
+# --------------------------------------------------------------------------- #
+# Planted bugs fail, naming the invariant and carrying the counterexample.
+# --------------------------------------------------------------------------- #
+
+
+def _fails(invariant: str, run) -> str:
+    with pytest.raises(AssertionError) as info:
+        run()
+    message = str(info.value)
+    assert message.startswith(f"{invariant}:"), message
+    assert isinstance(info.value, kit.InvariantError) and info.value.invariant == invariant
+    return message
+
+
+def test_kit_catches_an_optimizer_that_mutates_its_grads():
+    message = _fails("purity", lambda: kit.check_transform(lambda: sign_momentum(bug="mutates_grads"), **FAST))
+    assert "mutated its grads input" in message
+    assert "minimal counterexample" in message and "Example(params=" in message
+
+
+def test_kit_catches_state_dtype_drift():
+    message = _fails("state_stability", lambda: kit.check_transform(lambda: sign_momentum(bug="dtype_drift"), **FAST))
+    assert "state leaf 'mu.p0' changed from" in message
+
+
+def test_kit_catches_a_python_number_in_state():
+    _fails("state_stability", lambda: kit.check_transform(lambda: sign_momentum(bug="python_count"), **FAST))
+
+
+def test_kit_catches_nan_on_zero_grads_with_a_minimal_example():
+    message = _fails("finite_outputs", lambda: kit.check_transform(lambda: sign_momentum(bug="nan_on_zero"), **FAST))
+    assert "all-zero grads" in message
+    # Shrunk to one step of zero grads on one float32 scalar.
+    assert "grads per step: [zeros]" in message and "{'p0': float32[]" in message, message
+
+
+def test_kit_catches_l2_decay_declared_decoupled():
+    message = _fails("decoupled_decay", lambda: kit.check_decoupled_decay(l2_adam, **FAST))
+    assert "not a multiple of p" in message or "different rates" in message
+
+
+def test_kit_catches_a_decay_coefficient_that_is_not_the_declared_one():
+    _fails(
+        "decoupled_decay",
+        lambda: kit.check_decoupled_decay(lambda: ps.adamw(0.1, weight_decay=0.2), coefficient=-0.03, **FAST),
+    )
+
+
+def test_kit_catches_scale_dependence_and_unbounded_updates():
+    _fails("scale_invariance", lambda: kit.check_scale_invariance(lambda: ps.sgd(0.1, momentum=0.9), **FAST))
+    _fails("bounded_updates", lambda: kit.check_bounded_updates(lambda: ps.sgd(1e-2), bound=1e-2, **FAST))
+
+
+def test_kit_catches_a_wrong_reference():
+    _fails(
+        "reference_parity",
+        lambda: kit.check_transform(lambda: ps.adam(1e-2), reference=lambda p: torch.optim.AdamW(p, lr=1e-2), **FAST),
+    )
+
+
+def test_kit_catches_hidden_python_state_as_nondeterminism():
+    calls = []
+
+    def factory():
+        t = ps.scale(-0.1)
+
+        def update(grads, state, params=None, **extra):
+            calls.append(1)
+            return pytree.tree_map(lambda g: g * len(calls), grads), state
+
+        return ps.Transform(t.init, update)
+
+    _fails("determinism", lambda: kit.check_transform(factory, checks=("determinism",), **FAST))
+
+
+def test_kit_catches_a_transform_that_depends_on_the_tree_layout():
+    def factory():
+        def update(grads, state, params=None, **extra):
+            return {k: (v if k.startswith("p") else v * 2) for k, v in grads.items()}, state
+
+        return ps.Transform(lambda p: ps.EmptyState(), update)
+
+    # masked hands the inner transform flat path keys, the same here: passes.
+    kit.check_transform(factory, checks=("composition",), **FAST)
+
+
+def test_kit_reports_an_exception_in_update_as_an_invariant():
+    def factory():
+        def update(grads, state, params=None, **extra):
+            if any(g.dim() == 0 for g in grads.values()):
+                raise RuntimeError("0-d leaves not supported")
+            return grads, state
+
+        return ps.Transform(lambda p: ps.EmptyState(), update)
+
+    message = _fails("no_exception", lambda: kit.check_transform(factory, **FAST))
+    assert "RuntimeError: 0-d leaves not supported" in message
+
+
+def test_kit_rejects_unknown_checks():
+    with pytest.raises(ValueError, match="unknown entries"):
+        kit.check_transform(ps.identity(), checks=("purty",))
+
+
+# --------------------------------------------------------------------------- #
+# Schedules.
+# --------------------------------------------------------------------------- #
+
+
+def _warmup_cosine(peak=1.0, warmup=10, total=50, *, jump=1.0):
+    def schedule(step):
+        t = torch.as_tensor(step, dtype=torch.float64)
+        warm = peak * t / warmup
+        frac = torch.clamp((t - warmup) / (total - warmup), 0.0, 1.0)
+        cos = jump * peak * 0.5 * (1 + torch.cos(torch.pi * frac))
+        return torch.where(t < warmup, warm, cos)
+
+    return schedule
+
+
+def test_schedule_check_passes_warmup_cosine():
+    kit.check_schedule(_warmup_cosine(), steps=60, boundaries=[10, 50], bounds=(0.0, 1.0))
+
+
+def test_schedule_check_catches_a_jump_at_a_phase_boundary():
+    message = _fails("continuity", lambda: kit.check_schedule(_warmup_cosine(jump=0.3), steps=60, boundaries=[10, 50]))
+    assert "at step 9" in message
+
+
+def test_schedule_check_catches_a_non_monotone_phase_and_bounds():
+    wiggle = lambda t: 1.0 + 0.1 * torch.sin(torch.as_tensor(t, dtype=torch.float64))  # noqa: E731
+    _fails("monotone_phases", lambda: kit.check_schedule(wiggle, steps=20, boundaries=[], continuous=False))
+    _fails("bounds", lambda: kit.check_schedule(_warmup_cosine(peak=2.0), steps=60, bounds=(0.0, 1.0)))
+
+
+def test_schedule_check_catches_python_branching_on_the_step():
+    branchy = lambda t: 0.1 if t < 5 else 0.01  # noqa: E731 - not a tensor for a tensor step
+    _fails("tensor_steps", lambda: kit.check_schedule(branchy, steps=10, continuous=False))
+
+
+# --------------------------------------------------------------------------- #
+# Strategies.
+# --------------------------------------------------------------------------- #
+
+
+@settings(max_examples=30, deadline=None, database=None)
+@given(kit.param_trees(max_rank=4, dtypes=(torch.bfloat16,)))
+def test_param_trees_draw_small_tensors_of_the_requested_dtypes(params):
+    assert 1 <= len(params) <= 4
+    for p in params.values():
+        assert p.dtype == torch.bfloat16 and p.dim() <= 4 and all(1 <= s <= 3 for s in p.shape)
+
+
+def test_grad_trees_match_their_params():
+    params = {"a": torch.zeros(2, 1, dtype=torch.float64), "b": torch.zeros((), dtype=torch.bfloat16)}
+
+    @settings(max_examples=20, deadline=None, database=None)
+    @given(kit.grad_trees(params))
+    def check(grads):
+        assert list(grads) == ["a", "b"]
+        for k in params:
+            assert grads[k].shape == params[k].shape and grads[k].dtype == params[k].dtype
+            assert torch.isfinite(grads[k]).all()
+
+    check()
+    with pytest.raises(ValueError, match="unknown entries"):
+        kit.grad_trees(params, kinds=("normal", "enormous"))
+
+
+def test_hyperparams_refuses_names_without_a_default_range():
+    with pytest.raises(ValueError, match="rho"):
+        kit.hyperparams("lr", "rho")

@@ -32,12 +32,13 @@ def trained_state(steps: int = 3):
     }
     opt = ps.chain(ps.clip_by_global_norm(1.0), ps.inject_hyperparams(ps.adamw)(lr=1e-2, weight_decay=0.1))
     state = opt.init(params)
-    ema = {k: v.clone() for k, v in params.items()}
+    ema_init, ema_update = ps.params_ema(0.9)
+    ema = ema_init(params)
     for _ in range(steps):
         grads = {k: torch.randn(v.shape, generator=g).to(v.dtype) for k, v in params.items()}
         updates, state = opt.update(grads, state, params)
         params = ps.apply_updates(params, updates)
-        ema = {k: 0.9 * ema[k] + 0.1 * params[k] for k in params}
+        ema = ema_update(ema, params)
     return opt, params, state, ema
 
 
@@ -73,6 +74,7 @@ def test_round_trip_is_bit_exact_for_params_opt_state_and_ema(tmp_path):
     assert_trees_equal(loaded.opt_state, state)
     assert type(loaded.opt_state[1]) is type(state[1])
     assert_trees_equal(loaded.ema, ema)
+    assert type(loaded.ema) is type(ema) and int(loaded.ema.count) == 3
     assert loaded.manifest.config == {"lr": 1e-2}
     assert loaded.manifest.data_state == {"epoch": 0, "offset": 96}
     assert loaded.manifest.metadata == {"note": "hi"}

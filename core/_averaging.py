@@ -33,24 +33,16 @@ class Averager(NamedTuple):
     update: Callable[[NamedTuple, Params], NamedTuple]
 
 
-def _lerp(ms: list[Tensor], xs: list[Tensor], w: Tensor) -> list[Tensor]:
-    """m + w·(x - m) with a 0-d float64 weight; w = 1 gives x exactly (lerp's upper branch)."""
-    weights: dict[torch.dtype, Tensor] = {}
-
-    def weight(m: Tensor) -> Tensor:
-        if m.dtype not in weights:
-            weights[m.dtype] = w.to(m.dtype)
-        return weights[m.dtype]
-
+def _lerp(ms: list[Tensor], xs: list[Tensor], w: Tensor, keep: Tensor) -> list[Tensor]:
+    """m + w·(x - m) for 0-d float64 `w`, `keep` (0 on the first update, else 1): four foreach kernels."""
     floats = [i for i, m in enumerate(ms) if torch.is_floating_point(m) or torch.is_complex(m)]
     out = list(xs)  # non-float leaves (step counters, int buffers) follow the params, as buffers do
     if not floats:
         return out
     fm, fx = [ms[i] for i in floats], [xs[i] for i in floats]
-    if tr.use_foreach(fm):
-        res = torch._foreach_lerp(fm, fx, [weight(m) for m in fm])
-    else:
-        res = [torch.lerp(m, x, weight(m)) for m, x in zip(fm, fx)]
+    # m + w·(x - m) with m zeroed on the first update (count 0, w = 1), which then copies x exactly
+    fm = tr.mul(fm, keep)
+    res = tr.cast_like(tr.axpy(w, tr.sub(fx, fm), fm), fm)
     for i, r in zip(floats, res):
         out[i] = r
     return out
@@ -66,7 +58,8 @@ def _averager(weight_fn: Callable[[Tensor], Tensor], state_cls: type, dtype: tor
         xs = tr.check_match(params, avg.params, "params", "averaged params", dtype=False)
         ms, spec = pytree.tree_flatten(avg.params)
         xs = [x.detach().to(m.dtype) for x, m in zip(xs, ms)]
-        out = _lerp(ms, xs, weight_fn(avg.count))
+        keep = (avg.count != 0).to(torch.float64)
+        out = _lerp(ms, xs, weight_fn(avg.count), keep)
         return state_cls(avg.count + 1, pytree.tree_unflatten(out, spec))
 
     return Averager(init, update)
@@ -101,9 +94,8 @@ def params_ema(decay: ScalarOrSchedule = 0.999, *, dtype: torch.dtype | None = N
 
     def weight(count: Tensor) -> Tensor:
         first = (count == 0).to(torch.float64)
-        one_minus = 1.0 - resolve(decay, count)
-        # 1 on the first update (copy), 1 - decay afterwards; exact in both cases.
-        return first + (1.0 - first) * one_minus
+        # 1 on the first update (a copy), 1 - decay afterwards; exact in both cases.
+        return first + (1.0 - first) * (1.0 - resolve(decay, count))
 
     return _averager(weight, ParamsEmaState, dtype)
 

@@ -207,7 +207,7 @@ class InjectHyperparamsState(NamedTuple):
     inner_state: OptState
 
 
-_ALWAYS_STATIC = ("mask", "labels", "weight_decay_mask", "trust_ratio_mask")
+_ALWAYS_STATIC = ("mask", "labels", "weight_decay_mask", "trust_ratio_mask", "ns_coefficients")
 
 
 def _injectable(value: Any) -> bool:

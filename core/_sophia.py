@@ -128,7 +128,8 @@ def gnb_hessian(
         Liu et al., Sophia: A Scalable Stochastic Second-order Optimizer for Language Model Pre-training, 2023.
     """
     logits, vjp_fn = torch.func.vjp(lambda p: logits_fn(p, batch), params)
-    flat = logits.detach().reshape(-1, logits.shape[-1]).float()  # (B, vocab)
+    work = torch.promote_types(logits.dtype, torch.float32)  # softmax in float32 at least
+    flat = logits.detach().reshape(-1, logits.shape[-1]).to(work)  # (B, vocab)
     rows = flat.shape[0]
     if labels is None:
         u = torch.rand(flat.shape, generator=generator, device=flat.device, dtype=flat.dtype)

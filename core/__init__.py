@@ -59,6 +59,9 @@ from ._schedule_free import schedule_free_eval_params as schedule_free_eval_para
 from ._sophia import ScaleBySophiaState as ScaleBySophiaState
 from ._sophia import gnb_hessian as gnb_hessian
 from ._sophia import scale_by_sophia as scale_by_sophia
+from ._step import functional_model as functional_model
+from ._step import make_step as make_step
+from ._step import make_update as make_update
 from ._schedules import constant_schedule as constant_schedule
 from ._schedules import cosine_schedule as cosine_schedule
 from ._schedules import inverse_sqrt_schedule as inverse_sqrt_schedule
@@ -187,4 +190,8 @@ __all__ = [
     "ScaleByMuonState",
     "ScheduleFreeState",
     "ScaleBySophiaState",
+    # the step function
+    "make_step",
+    "make_update",
+    "functional_model",
 ]

@@ -97,3 +97,4 @@ NOT_TRANSFORMS = {
     "muon_labels", "schedule_free_eval_params", "gnb_hessian",
     "ScaleByMuonState", "ScheduleFreeState", "ScaleBySophiaState",
 }
+    "make_step", "make_update", "functional_model",

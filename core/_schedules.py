@@ -10,6 +10,7 @@ same tensor code, so both agree exactly.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -25,7 +26,7 @@ def _step_tensor(step: int | float | Tensor) -> Tensor:
         if step.dim() != 0:
             raise ValueError(f"a schedule's step must be an int or a 0-d tensor, got shape {tuple(step.shape)}")
         return step.to(torch.float64)
-    if isinstance(step, bool) or not isinstance(step, (int, float)):
+    if isinstance(step, bool) or not isinstance(step, numbers.Real):
         raise ValueError(f"a schedule's step must be an int or a 0-d tensor, got {step!r}")
     return torch.tensor(float(step), dtype=torch.float64)
 

@@ -200,3 +200,30 @@ def test_clip_by_running_norm_follows_its_documented_rule():
 def test_bad_arguments_raise_value_error_naming_the_argument(make, name):
     with pytest.raises(ValueError, match=name):
         make()
+
+
+# --------------------------------------------------------------------------- #
+# Invariant over drawn trees: the clipped norm is at most max_norm, the direction kept.
+# --------------------------------------------------------------------------- #
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=6), min_size=1, max_size=4),
+    st.floats(1e-3, 1e3),
+    st.sampled_from([torch.float32, torch.float64]),
+)
+def test_clipped_global_norm_is_at_most_max_norm_and_the_direction_is_kept(rows, max_norm, dtype):
+    grads = {f"g{i}": torch.tensor(r, dtype=dtype) for i, r in enumerate(rows)}
+    t = ps.clip_by_global_norm(max_norm)
+    updates, state = t.update(grads, t.init(grads))
+    before = torch.cat([g.double() for g in grads.values()])
+    after = torch.cat([u.double() for u in updates.values()])
+    assert after.norm() <= max_norm * (1 + 1e-5)
+    assert state.norm.item() == pytest.approx(before.norm().item(), rel=1e-5)
+    coef = (after.norm() / before.norm()).item() if before.norm() > 0 else 1.0
+    assert coef <= 1 + 1e-6
+    torch.testing.assert_close(after, before * coef, rtol=1e-5, atol=1e-30)

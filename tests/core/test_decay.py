@@ -228,3 +228,35 @@ def test_scale_per_leaf_takes_trees_floats_and_tensors_and_checks_structure():
 def test_bad_arguments_raise_value_error_naming_the_argument(make, name):
     with pytest.raises(ValueError, match=name):
         make()
+
+
+# --------------------------------------------------------------------------- #
+# Invariant over drawn schedules: zero grads shrink params by exactly (1 - lr·wd).
+# --------------------------------------------------------------------------- #
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_WD_SCHEDULES = {
+    "constant": lambda wd: wd,
+    "linear_to_zero": lambda wd: ps.linear_schedule(wd, 0.0, 6),
+    "cosine": lambda wd: ps.cosine_schedule(wd, 5, final=0.1 * wd),
+    "wsd": lambda wd: ps.wsd_schedule(wd, 2, 8, 3, shape="sqrt"),
+}
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from(sorted(_WD_SCHEDULES)), st.floats(0.0, 0.5), st.floats(0.0, 0.5), st.sampled_from(["adamw", "lion"]))
+def test_decoupled_decay_with_zero_grads_shrinks_params_by_one_minus_lr_wd(kind, wd, lr, opt_name):
+    weight_decay = _WD_SCHEDULES[kind](wd)
+    opt = getattr(ps, opt_name)(lr, weight_decay=weight_decay)
+    params = {"w": torch.randn(3, 2, dtype=torch.float64), "s": torch.randn((), dtype=torch.float64)}
+    state = opt.init(params)
+    for step in range(9):
+        zeros = {k: torch.zeros_like(v) for k, v in params.items()}
+        updates, state = opt.update(zeros, state, params)
+        new = ps.apply_updates(params, updates)
+        w = weight_decay(step) if callable(weight_decay) else weight_decay
+        for k in params:
+            torch.testing.assert_close(new[k], params[k] * (1 - lr * w), rtol=1e-14, atol=1e-300)
+        params = new

@@ -263,3 +263,48 @@ def test_bad_arguments_raise_value_error_naming_the_argument(make, name):
 def test_a_non_scalar_step_is_refused():
     with pytest.raises(ValueError, match="0-d"):
         ps.constant_schedule(1.0)(torch.zeros(2))
+
+
+# --------------------------------------------------------------------------- #
+# Invariants over drawn arguments: monotone phases, continuity, bounds.
+# --------------------------------------------------------------------------- #
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from purestep.core.testing import check_schedule  # noqa: E402
+
+_FAST = settings(max_examples=25, deadline=None)
+
+
+@_FAST
+@given(st.sampled_from([0, 4, 9, 30]), st.integers(4, 60), st.floats(1e-4, 1.0), st.floats(0.0, 0.9), st.floats(0.0, 0.5))
+def test_warmup_cosine_is_monotone_in_each_phase_continuous_and_bounded(warmup, decay, peak, init_frac, final_frac):
+    total = warmup + decay
+    s = ps.warmup_cosine_schedule(peak, warmup, total, init=init_frac * peak, final=final_frac * peak)
+    check_schedule(s, steps=total + 5, boundaries=[warmup, total], bounds=(0.0, peak), jump_factor=8.0)
+
+
+@_FAST
+@given(st.sampled_from([0, 4, 13]), st.integers(0, 20), st.integers(4, 30), st.sampled_from(["linear", "cosine", "sqrt"]), st.floats(0.0, 0.5))
+def test_wsd_is_monotone_in_each_phase_and_bounded(warmup, stable, decay, shape, final_frac):
+    total = warmup + stable + decay
+    s = ps.wsd_schedule(1.0, warmup, total, decay, final=final_frac, shape=shape)
+    # sqrt's slope is unbounded at the start of the decay, so no jump check there
+    check_schedule(
+        s, steps=total + 5, boundaries=[warmup, total - decay, total], bounds=(0.0, 1.0),
+        continuous=shape != "sqrt", jump_factor=8.0,
+    )
+
+
+@_FAST
+@given(st.integers(2, 10), st.integers(1, 4), st.booleans(), st.sampled_from(["cos", "linear"]))
+def test_one_cycle_rises_then_falls_within_its_bounds(up, k, three_phase, anneal):
+    total = up * k * 4  # pct_start·total = up·k, a whole step, so the peak falls on a step
+    pct = 0.25
+    s = ps.one_cycle_schedule(1.0, total, pct_start=pct, anneal=anneal, three_phase=three_phase)
+    e1 = int(pct * total) - 1
+    bounds = [e1, 2 * e1 + 1] if three_phase else [e1]
+    check_schedule(s, steps=total + 3, boundaries=[*bounds, total - 1], bounds=(1.0 / 25 / 1e4, 1.0), continuous=False)
+    m = ps.one_cycle_momentum_schedule(total, pct_start=pct, anneal=anneal, three_phase=three_phase)
+    check_schedule(m, steps=total + 3, boundaries=[*bounds, total - 1], bounds=(0.85, 0.95), continuous=False)

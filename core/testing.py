@@ -765,7 +765,8 @@ def check_scale_invariance(
         f = _factory(factory)
         ups, _, params = _trajectory(_make(f, ex), ex, opts)
         scaled, _, _ = _trajectory(
-            _make(f, ex), ex, opts, grads=[{k: v * c for k, v in g.items()} for g in grads], params=lambda k, p: params[k]
+            _make(f, ex), ex, opts, grads=[{k: v * c for k, v in g.items()} for g in grads],
+            params=(lambda k, p: params[k]) if opts.needs_params else None,
         )
         top = max((v.abs().max().item() for u in ups for v in u.values()), default=0.0)
         for k, (u, us) in enumerate(zip(ups, scaled)):

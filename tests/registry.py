@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
+
 import purestep.core as ps
 
 
@@ -24,15 +26,19 @@ class Case:
     scale_invariant: bool = False  # update unchanged when grads are multiplied by c > 0 (up to eps)
     matrices_only: bool = False  # refuses 0-D/1-D leaves
     extra: dict[str, Any] = field(default_factory=dict)
+    extra_trees: tuple[str, ...] = ()  # update keywords shaped like grads (sophia's hessian), drawn by the kit
+    update_bound: float | None = None  # |update| <= update_bound at params = 0 (required when sign_based)
+    reference: Callable[..., Any] | None = None  # list of params -> torch.optim optimizer, for random-step parity
 
 
 TRANSFORMS: dict[str, Case] = {
     c.name: c
     for c in [
-        Case("sgd", lambda: ps.sgd(0.1, momentum=0.9)),
-        Case("adam", lambda: ps.adam(1e-2), scale_invariant=True),
-        Case("adamw", lambda: ps.adamw(1e-2, weight_decay=0.1), decoupled_decay=True, scale_invariant=True),
-        Case("lion", lambda: ps.lion(1e-2, weight_decay=0.1), decoupled_decay=True, sign_based=True),
+        Case("sgd", lambda: ps.sgd(0.1, momentum=0.9), reference=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
+        Case("adam", lambda: ps.adam(1e-2), scale_invariant=True, reference=lambda p: torch.optim.Adam(p, lr=1e-2)),
+        Case("adamw", lambda: ps.adamw(1e-2, weight_decay=0.1), decoupled_decay=True, scale_invariant=True,
+             reference=lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)),
+        Case("lion", lambda: ps.lion(1e-2, weight_decay=0.1), decoupled_decay=True, sign_based=True, update_bound=1e-2),
         Case("lamb", lambda: ps.lamb(1e-2, weight_decay=0.1)),
         Case("lars", lambda: ps.lars(0.1, weight_decay=0.01)),
         Case("identity", lambda: ps.identity(), needs_params=False),
@@ -61,8 +67,9 @@ TRANSFORMS: dict[str, Case] = {
         Case("muon_adamw", lambda: ps.muon_adamw()),
         Case("schedule_free_adamw", lambda: ps.schedule_free_adamw(1e-2, weight_decay=0.1, warmup_steps=3)),
         Case("schedule_free", lambda: ps.schedule_free(ps.chain(ps.scale_by_adam(0.0), ps.scale_by_lr(1e-2)), 1e-2)),
-        Case("sophia", lambda: ps.sophia(1e-2, weight_decay=0.1), decoupled_decay=True, sign_based=True),
-        Case("scale_by_sophia", lambda: ps.scale_by_sophia(update_every=2), needs_params=False),
+        Case("sophia", lambda: ps.sophia(1e-2, weight_decay=0.1), decoupled_decay=True, sign_based=True,
+             update_bound=1e-2, extra_trees=("hessian",)),
+        Case("scale_by_sophia", lambda: ps.scale_by_sophia(update_every=2), needs_params=False, extra_trees=("hessian",)),
     ]
 }
 
@@ -81,6 +88,17 @@ SCHEDULES: dict[str, Callable[[], Callable]] = {
     ),
 }
 
+# check_schedule keywords for schedules that are not continuous, non-negative and turn at most twice
+# over steps 0..150 (property_tests/test_schedules.py); boundaries/bounds make the checks sharper.
+SCHEDULE_CHECKS: dict[str, dict[str, Any]] = {
+    "piecewise_constant_schedule": dict(continuous=False),
+    "warmup_cosine_schedule": dict(boundaries=[10, 100], bounds=(0.0, 1.0)),
+    "wsd_schedule": dict(boundaries=[10, 70, 100], bounds=(0.0, 1.0)),
+    "inverse_sqrt_schedule": dict(boundaries=[10], bounds=(0.0, 1.0)),
+    "one_cycle_momentum_schedule": dict(bounds=(0.85, 0.95)),
+    "join_schedules": dict(boundaries=[10, 100], bounds=(0.0, 1.0)),
+}
+
 # Public names that are not transforms or schedules (types, states, tree utilities).
 NOT_TRANSFORMS = {
     "Transform", "EmptyState", "Schedule",
@@ -96,5 +114,5 @@ NOT_TRANSFORMS = {
     "dynamic_loss_scale", "LossScaler", "DynamicLossScaleState",
     "muon_labels", "schedule_free_eval_params", "gnb_hessian",
     "ScaleByMuonState", "ScheduleFreeState", "ScaleBySophiaState",
-}
     "make_step", "make_update", "functional_model",
+}

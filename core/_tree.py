@@ -252,12 +252,16 @@ def apply_updates_(params: PyTree, updates: PyTree) -> PyTree:
 # --------------------------------------------------------------------------- #
 
 
-def use_foreach(xs: Sequence[Tensor]) -> bool:
-    """Whether foreach kernels may run: not under a torch.func transform."""
+def use_foreach(xs: Sequence[Tensor], *scalars: Scalar) -> bool:
+    """Whether foreach kernels may run: not under a torch.func transform, and not with a
+    0-d tensor `scalar` that autograd differentiates (foreach's backward for a tensor
+    scalar fails: "inconsistent range for TensorList output"; meta-gradients need it)."""
     if not xs:
         return False
     if torch.compiler.is_compiling():
         return True
+    if torch.is_grad_enabled() and any(isinstance(s, Tensor) and s.requires_grad for s in scalars):
+        return False
     return torch._C._functorch.peek_interpreter_stack() is None
 
 
@@ -277,7 +281,7 @@ def sqrt_(xs: list[Tensor]) -> list[Tensor]:
 
 def add_scalar_(xs: list[Tensor], s: Scalar) -> list[Tensor]:
     """x + s, reusing the storage of `xs` where it can: call only on a list you created."""
-    if _owned_inplace(xs):
+    if _owned_inplace(xs) and use_foreach(xs, s):
         torch._foreach_add_(xs, s)
         return xs
     return add_scalar(xs, s)
@@ -285,7 +289,7 @@ def add_scalar_(xs: list[Tensor], s: Scalar) -> list[Tensor]:
 
 def mul_(xs: list[Tensor], s: Scalar) -> list[Tensor]:
     """s·x, reusing the storage of `xs` where it can: call only on a list you created."""
-    if _owned_inplace(xs):
+    if _owned_inplace(xs) and use_foreach(xs, s):
         torch._foreach_mul_(xs, s)
         return xs
     return mul(xs, s)
@@ -307,14 +311,14 @@ def cast_like(xs: list[Tensor], refs: Sequence[Tensor]) -> list[Tensor]:
 
 def mul(xs: list[Tensor], s: Scalar) -> list[Tensor]:
     """s·x."""
-    if use_foreach(xs):
+    if use_foreach(xs, s):
         return list(torch._foreach_mul(xs, s))
     return [x * s for x in xs]
 
 
 def add_scalar(xs: list[Tensor], s: Scalar) -> list[Tensor]:
     """x + s."""
-    if use_foreach(xs):
+    if use_foreach(xs, s):
         return list(torch._foreach_add(xs, s))
     return [x + s for x in xs]
 
@@ -335,7 +339,7 @@ def sub(xs: list[Tensor], ys: list[Tensor]) -> list[Tensor]:
 
 def axpy(a: Scalar, xs: list[Tensor], ys: list[Tensor]) -> list[Tensor]:
     """a·x + y."""
-    if use_foreach(xs):
+    if use_foreach(xs, a):
         if isinstance(a, Tensor):
             return list(torch._foreach_add(ys, torch._foreach_mul(xs, a)))
         return list(torch._foreach_add(ys, xs, alpha=a))
@@ -344,7 +348,7 @@ def axpy(a: Scalar, xs: list[Tensor], ys: list[Tensor]) -> list[Tensor]:
 
 def lincomb(a: Scalar, xs: list[Tensor], b: Scalar, ys: list[Tensor]) -> list[Tensor]:
     """a·x + b·y."""
-    if use_foreach(xs):
+    if use_foreach(xs, a, b):
         out = torch._foreach_mul(xs, a)
         if isinstance(b, Tensor):
             torch._foreach_add_(out, torch._foreach_mul(ys, b))
@@ -363,7 +367,7 @@ def ema(ms: list[Tensor], xs: list[Tensor], decay: Scalar) -> list[Tensor]:
 
 def ema_sq(vs: list[Tensor], xs: list[Tensor], decay: Scalar) -> list[Tensor]:
     """decay·v + (1 - decay)·x²."""
-    if use_foreach(vs):
+    if use_foreach(vs, decay):
         out = torch._foreach_mul(vs, decay)
         if isinstance(decay, Tensor):
             torch._foreach_add_(out, torch._foreach_mul(torch._foreach_mul(xs, xs), 1.0 - decay))

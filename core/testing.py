@@ -324,7 +324,9 @@ def _settings(max_examples: int | None) -> hypothesis.settings:
 
 
 def _name(factory: Any) -> str:
-    return getattr(factory, "__qualname__", None) or repr(factory)
+    name = getattr(factory, "__qualname__", None) or repr(factory)
+    code = getattr(factory, "__code__", None)
+    return f"{name} ({code.co_filename}:{code.co_firstlineno})" if code is not None else name
 
 
 def _factory(factory: Callable[..., ps.Transform] | ps.Transform) -> Callable[..., ps.Transform]:

@@ -247,3 +247,16 @@ def test_grad_trees_match_their_params():
 def test_hyperparams_refuses_names_without_a_default_range():
     with pytest.raises(ValueError, match="rho"):
         kit.hyperparams("lr", "rho")
+
+
+def test_the_custom_optimizer_example_passes_and_its_planted_bug_fails():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "custom_optimizer.py"
+    spec = importlib.util.spec_from_file_location("custom_optimizer_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    kit.check_transform(example.sign_momentum, hyperparams=kit.hyperparams("lr", "momentum"), **FAST)
+    message = _fails("purity", lambda: kit.check_transform(lambda: example.sign_momentum(in_place=True), **FAST))
+    assert "mutated its state input at leaf 'mu.p0'" in message

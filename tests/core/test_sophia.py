@@ -183,3 +183,21 @@ def test_sophia_with_gnb_hessian_trains_softmax_regression():
         params = ps.apply_updates(params, updates)
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0], losses[::10]
+
+
+def test_sophia_compiles_once_per_variant_and_not_again_when_lr_changes():
+    opt = ps.inject_hyperparams(ps.sophia)(lr=0.01, weight_decay=0.1, update_every=2)
+    params = {k: v.float() for k, v in make_params().items()}
+    grads = [{k: v.float() for k, v in g.items()} for g in grad_stream(params, 4)]
+    h = {k: torch.ones_like(v) for k, v in params.items()}
+    step = torch.compile(lambda g, s, p, **kw: opt.update(g, s, p, **kw), fullgraph=True)
+    state = opt.init(params)
+    _, state = step(grads[0], state, params, hessian=h)  # refresh variant
+    _, state = step(grads[1], state, params)  # plain variant
+    state = ps.set_hyperparam(state, "lr", 0.005)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        _, state = step(grads[2], state, params, hessian=h)
+        compiled, _ = step(grads[3], state, params)
+    eager, _ = opt.update(grads[3], state, params)
+    for k in params:
+        torch.testing.assert_close(compiled[k], eager[k], rtol=1e-5, atol=1e-8)

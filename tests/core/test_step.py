@@ -14,10 +14,12 @@ import purestep.core as ps
 
 def mlp(dtype=torch.float64, bn=False, seed=0):
     torch.manual_seed(seed)
-    layers = [torch.nn.Linear(5, 8)]
+    # BatchNorm after the nonlinearity: right after a Linear it would cancel that
+    # Linear's bias gradient to rounding noise, which Adam then amplifies.
+    layers = [torch.nn.Linear(5, 8), torch.nn.Tanh()]
     if bn:
         layers.append(torch.nn.BatchNorm1d(8))
-    layers += [torch.nn.Tanh(), torch.nn.Linear(8, 3)]
+    layers.append(torch.nn.Linear(8, 3))
     return torch.nn.Sequential(*layers).to(dtype)
 
 
@@ -158,8 +160,8 @@ def test_functional_model_never_mutates_its_buffers():
     before = clone(buffers)
     _, new = apply_fn(params, buffers, torch.randn(4, 5, dtype=torch.float64))
     assert_trees_close(buffers, before, rtol=0, atol=0)
-    assert int(new["1.num_batches_tracked"]) == 1
-    assert not torch.equal(new["1.running_mean"], before["1.running_mean"])
+    assert int(new["2.num_batches_tracked"]) == 1
+    assert not torch.equal(new["2.running_mean"], before["2.running_mean"])
 
 
 @pytest.mark.parametrize("micro_batches", [1, 2])
@@ -185,7 +187,7 @@ def test_buffers_are_threaded_through_the_step_as_a_torch_loop_updates_them(micr
         params, state, metrics, buffers = step(params, state, (x, y), buffers)
     assert_trees_close(params, dict(ref.named_parameters()), rtol=1e-11, atol=1e-13)
     assert_trees_close(buffers, dict(ref.named_buffers()), rtol=1e-11, atol=1e-13)
-    assert int(buffers["1.num_batches_tracked"]) == 4 * micro_batches
+    assert int(buffers["2.num_batches_tracked"]) == 4 * micro_batches
 
 
 # --------------------------------------------------------------------------- #
@@ -323,7 +325,7 @@ def test_compiled_donated_step_equals_eager_and_never_recompiles():
 def test_compiled_donated_update_with_clip_and_ema_equals_eager_and_never_recompiles():
     torch._dynamo.reset()
     torch.manual_seed(0)
-    params = {"w": torch.randn(64, 32), "b": torch.randn(32), "s": torch.randn(())}
+    params = {"w": torch.randn(64, 32), "b": torch.randn(32)}
     opt = ps.chain(ps.clip_by_global_norm(1.0), ps.inject_hyperparams(ps.adamw)(lr=1e-2, weight_decay=0.1))
     ema = ps.params_ema(0.9)
     compiled = ps.make_update(opt, ema=ema, compile=True, donate=True)

@@ -71,21 +71,37 @@ def _coefficient_schedule(ns_coefficients: Coefficients, ns_steps: int) -> tuple
 
 
 def _orthogonalize_batch(
-    x: Tensor,  # (N, m, n) with m <= n, in the Newton-Schulz dtype
+    x: Tensor,  # (N, m, n) with m <= n, in the Newton-Schulz dtype (or float32 holding bf16 values)
     coefficients: list[tuple[float, float, float]],
     safety: float,
     eps: float,
+    round_to: torch.dtype | None = None,
 ) -> Tensor:
-    """N matrices orthogonalized together: X ← a·X + (b·A + c·A²)·X with A = X·Xᵀ."""
-    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)  # (N, 1, 1)
+    """N matrices orthogonalized together: X ← a·X + (b·A + c·A²)·X with A = X·Xᵀ.
+
+    With `round_to`, x is float32 and every result is rounded to `round_to` (bf16), which
+    is what a bf16 matmul with float32 accumulation computes, at float32 matmul speed.
+    """
+    r = (lambda t: t) if round_to is None else (lambda t: t.to(round_to).to(t.dtype))  # noqa: E731
+    norm = r(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True))  # (N, 1, 1)
     if safety != 1.0:
-        norm = norm * safety
-    x = x / norm.clamp(min=eps)  # spectral norm <= Frobenius norm <= 1
+        norm = r(norm * safety)
+    x = r(x / norm.clamp(min=eps))  # spectral norm <= Frobenius norm <= 1
     for a, b, c in coefficients:
-        gram = x @ x.mT  # (N, m, m)
-        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b·A + c·A²
-        x = torch.baddbmm(x, poly, x, beta=a)  # a·X + poly·X
+        gram = r(x @ x.mT)  # (N, m, m)
+        poly = r(torch.baddbmm(gram, gram, gram, beta=b, alpha=c))  # b·A + c·A²
+        x = r(torch.baddbmm(x, poly, x, beta=a))  # a·X + poly·X
     return x
+
+
+def _emulate_bf16(dtype: torch.dtype, device: torch.device) -> bool:
+    """bf16 matmuls on a CPU without bf16 units run ~7x slower than float32 ones; there the
+    iterations run in float32 with every result rounded to bf16 (same values, float32 speed)."""
+    if dtype != torch.bfloat16 or device.type != "cpu":
+        return False
+    cpu = getattr(torch, "cpu", None)
+    native = getattr(cpu, "_is_avx512_bf16_supported", lambda: True)() or getattr(cpu, "_is_amx_tile_supported", lambda: False)()
+    return not native
 
 
 def _as_wide_matrix(g: Tensor) -> tuple[Tensor, bool]:
@@ -108,13 +124,16 @@ def orthogonalize_leaves(
     flipped: list[bool] = []
     for i, x in enumerate(xs):
         m, t = _as_wide_matrix(x)
-        mats.append(m.to(dtype))
+        mats.append(m)
         flipped.append(t)
         groups.setdefault((tuple(m.shape), m.device), []).append(i)
     out: list[Tensor | None] = [None] * len(xs)
-    for idx in groups.values():
-        batch = torch.stack([mats[i] for i in idx])  # (N, rows, cols)
-        result = _orthogonalize_batch(batch, coefficients, safety, eps)
+    for (_, device), idx in groups.items():
+        batch = torch.stack([mats[i].to(dtype) for i in idx])  # (N, rows, cols)
+        round_to = None
+        if _emulate_bf16(dtype, device):
+            batch, round_to = batch.float(), dtype
+        result = _orthogonalize_batch(batch, coefficients, safety, eps, round_to)
         for i, o in zip(idx, result.unbind(0)):
             o = o.mT if flipped[i] else o
             out[i] = o.reshape(xs[i].shape).to(xs[i].dtype)

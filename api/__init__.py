@@ -17,9 +17,11 @@ from .config import TrainConfig as TrainConfig
 from .config import apply_overrides as apply_overrides
 from .config import load_config as load_config
 from .optimizer import Optimizer as Optimizer
+from .trainer import Trainer as Trainer
 
 __all__: list[str] = [
     "Optimizer",
+    "Trainer",
     "save_checkpoint",
     "load_checkpoint",
     "latest_checkpoint",

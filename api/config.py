@@ -99,7 +99,10 @@ class TrainConfig(_Section):
     `grad_accum` micro-batches); a checkpoint every `checkpoint_every` steps (0: only at
     the end), of which `keep_last` are kept; metrics every `log_every` steps; evaluation
     every `eval_every` steps (0: never); `time_budget` seconds (None: no limit);
-    `ema_decay` keeps an EMA of the params (None: none).
+    `ema_decay` keeps an EMA of the params (None: none). Evaluation averages
+    `eval_batches` validation batches. A step whose loss exceeds `spike_factor` x the
+    mean of the last `spike_window` accepted losses is skipped (0: never), and
+    `spike_rewind` such spikes in a row rewind to the last checkpoint.
 
     Example:
         >>> from purestep.api import TrainConfig, apply_overrides
@@ -121,6 +124,10 @@ class TrainConfig(_Section):
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     compile: bool = False
     ema_decay: Union[Annotated[float, Meta(gt=0, lt=1)], None] = None
+    eval_batches: PositiveInt = 4
+    spike_factor: NonNegativeFloat = 0.0
+    spike_window: PositiveInt = 20
+    spike_rewind: PositiveInt = 3
     optimizer: OptimizerConfig = OptimizerConfig()
     schedule: ScheduleConfig = ScheduleConfig()
     model: ModelConfig = ModelConfig()

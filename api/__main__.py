@@ -1,0 +1,5 @@
+"""`python -m purestep.api`: the `purestep` command."""
+
+from .cli import main
+
+main()

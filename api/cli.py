@@ -1,0 +1,334 @@
+"""The `purestep` command: `train CONFIG`, `demo`, `plot RUN_DIR`, `inspect CKPT`.
+
+Errors a user can fix (a bad config field, a missing file, a corrupted checkpoint, a run
+directory that holds another run) print one line naming the field or file and exit 2.
+Run it data-parallel with `torchrun --nproc_per_node=N $(which purestep) ... --set strategy=fsdp`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import msgspec
+import torch
+
+import purestep.core as ps
+
+from . import checkpoint as ckpt
+from .config import ConfigError, DataConfig, ModelConfig, OptimizerConfig, ScheduleConfig, TrainConfig, apply_overrides
+from .config import build_optimizer, load_config
+
+
+class UsageError(ValueError):
+    """A command-line mistake (missing run directory, nothing to plot...)."""
+
+
+def demo_config() -> TrainConfig:
+    """The demo's recipe: a 4-layer byte-level GPT, Muon + AdamW, warmup + cosine, clipping, EMA."""
+    ns_dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # bf16 matmuls are slow on CPU
+    return TrainConfig(
+        steps=150, batch_size=16, log_every=10, eval_every=50, eval_batches=4, checkpoint_every=50, keep_last=2,
+        ema_decay=0.99, spike_factor=4.0,
+        optimizer=OptimizerConfig(
+            name="muon_adamw", lr=0.02, clip_grad_norm=1.0,
+            kwargs={"adamw_lr": 3e-3, "ns_dtype": ns_dtype, "weight_decay": 0.01, "adamw_weight_decay": 0.01},
+        ),
+        schedule=ScheduleConfig(name="warmup_cosine", warmup_steps=10, final_lr=0.002),
+        model=ModelConfig(n_layer=4, n_head=4, n_embd=128, block_size=128),
+        data=DataConfig(source="stdlib", max_bytes=2_000_000),
+    )
+
+
+# --------------------------------------------------------------------------- #
+# Building a run from a config.
+# --------------------------------------------------------------------------- #
+
+
+def build_data(cfg: TrainConfig) -> Any:
+    from .data import ByteCorpus, stdlib_corpus
+
+    d = cfg.data
+    max_bytes = d.max_bytes or 1 << 40
+    if d.source == "stdlib":
+        tokens = stdlib_corpus(max_bytes)
+    else:
+        path = Path(d.source)
+        if path.is_dir():
+            tokens = stdlib_corpus(max_bytes, root=path)
+        elif path.is_file():
+            tokens = torch.frombuffer(bytearray(path.read_bytes()[:max_bytes]), dtype=torch.uint8)
+        else:
+            raise UsageError(f"data.source: {path} is neither 'stdlib' nor an existing file or folder")
+    try:
+        return ByteCorpus(
+            tokens, seq_len=cfg.model.block_size, batch_size=cfg.batch_size, seed=cfg.seed,
+            val_fraction=d.val_fraction or 0.05,
+        )
+    except ValueError as e:
+        raise UsageError(f"data.source: {e}") from None
+
+
+def build_model(cfg: TrainConfig) -> torch.nn.Module:
+    from .models import GPT
+
+    m = cfg.model
+    if m.name != "gpt":
+        raise UsageError(f"model.name: {m.name!r} is not a model the command knows ('gpt'); use the Trainer for your own")
+    if m.vocab_size < 256:
+        raise UsageError(f"model.vocab_size: {m.vocab_size} is too small for byte tokens (needs 256)")
+    if m.dropout:
+        raise UsageError("model.dropout: the demo GPT has no dropout; set it to 0")
+    try:
+        return GPT(vocab_size=m.vocab_size, dim=m.n_embd, n_layers=m.n_layer, n_heads=m.n_head, seq_len=m.block_size,
+                   **m.kwargs)
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"model: {e}") from None
+
+
+def build_trainer(cfg: TrainConfig, out: Path | None, *, progress: bool) -> Any:
+    from .models import lm_loss
+    from .trainer import Trainer
+
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg)
+    lr = cfg.optimizer.lr
+    schedule = cfg.build_schedule()
+    # A constant injected lr, shaped by the Trainer (so a time budget can drive it by progress).
+    transform = build_optimizer(cfg.optimizer, lr)
+    if callable(schedule) and lr > 0:
+        lr_schedule = lambda t: schedule(t) / lr  # noqa: E731
+    else:
+        lr_schedule = None
+    ema = ps.params_ema(cfg.ema_decay) if cfg.ema_decay else None
+    return Trainer(model, transform, lm_loss, cfg, data=build_data(cfg), out=out, lr_schedule=lr_schedule, ema=ema,
+                   progress=progress)
+
+
+def _sample(trainer: Any, prompt: str = "def ", n: int = 160) -> str:
+    from .data import decode, encode
+
+    model = trainer.module
+    gen = torch.Generator().manual_seed(0)
+    model.eval()
+    ids = model.generate(encode(prompt).to(trainer.world.device), n, generator=gen)
+    model.train()
+    return decode(ids)
+
+
+def run(cfg: TrainConfig, out: Path | None, *, resume: bool, sample: bool = False) -> dict[str, Any]:
+    main = int(os.environ.get("RANK", "0")) == 0
+    trainer = build_trainer(cfg, out, progress=main and sys.stderr.isatty())
+    try:
+        if main:
+            n = sum(p.numel() for p in trainer.named.values())
+            print(f"purestep: {n / 1e6:.2f}M params, {cfg.steps} steps of {cfg.batch_size} x {cfg.model.block_size} "
+                  f"tokens, {cfg.optimizer.name}, strategy={cfg.strategy}, run dir {out}", flush=True)
+        first = trainer.evaluate() if sample else None
+        summary = trainer.fit(resume=resume)
+        if main and not sys.stderr.isatty():  # no progress bar: print the curve
+            _print_curve(out)
+        if sample:
+            text = _sample(trainer)
+            last = trainer.evaluate()
+            if main:
+                print(f"validation loss {first:.3f} -> {last:.3f} (nats per byte; 5.55 is uniform)")
+                print("sample:\n" + text)
+        if main and out is not None:
+            print(f"metrics: {out / 'metrics.jsonl'}   plot: purestep plot {out}")
+        return summary
+    finally:
+        trainer.close()
+
+
+def _print_curve(out: Path | None) -> None:
+    if out is None or not (out / "metrics.jsonl").exists():
+        return
+    for rec in _records(out):
+        if rec.get("loss") is not None and "event" not in rec:
+            print(f"step {rec['step']:5d}  loss {rec['loss']:.4f}  lr {rec.get('lr') or 0:.2e}  "
+                  f"grad norm {rec.get('grad_norm', 0):.3f}  {rec.get('tokens_per_s', 0):.0f} tok/s", flush=True)
+
+
+def _records(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise UsageError(f"{path}: no such file; is {run_dir} a purestep run directory?")
+    out = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise UsageError(f"{path}:{i}: not a JSON line") from None
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# plot and inspect.
+# --------------------------------------------------------------------------- #
+
+
+def plot(run_dir: Path, png: Path | None = None) -> Path:
+    """Draw loss (and validation loss), lr and grad norm against step into a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = _records(run_dir)
+    train = [r for r in records if r.get("loss") is not None and "event" not in r]
+    if not train:
+        raise UsageError(f"{run_dir / 'metrics.jsonl'}: holds no logged steps yet")
+    val = [r for r in records if "val_loss" in r]
+    events = [r for r in records if "event" in r]
+    fig, axes = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
+    steps = [r["step"] for r in train]
+    axes[0].plot(steps, [r["loss"] for r in train], label="train")
+    if val:
+        axes[0].plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
+    for r in events:
+        axes[0].axvline(r["step"], color="red", alpha=0.3, lw=1)
+    axes[0].set_ylabel("loss")
+    axes[0].legend()
+    axes[1].plot(steps, [r.get("lr") or 0.0 for r in train])
+    axes[1].set_ylabel("lr")
+    axes[2].plot(steps, [r.get("grad_norm") or 0.0 for r in train])
+    axes[2].set_ylabel("grad norm")
+    axes[2].set_xlabel("step")
+    fig.suptitle(str(run_dir))
+    fig.tight_layout()
+    png = png or run_dir / "metrics.png"
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return png
+
+
+def inspect_checkpoint(path: Path) -> int:
+    """Print a checkpoint's step, config, files (sha256 status) and tensor table; 1 if a file is damaged."""
+    from safetensors import safe_open
+
+    if not path.exists():
+        raise UsageError(f"{path}: no such checkpoint or run directory")
+    if not (path / ckpt.MANIFEST).is_file():
+        found = ckpt.latest_checkpoint(path)
+        if found is None:
+            raise UsageError(f"{path}: holds no checkpoint (no {ckpt.MANIFEST})")
+        path = found
+    manifest = ckpt.read_manifest(path)
+    print(f"checkpoint {path}")
+    print(f"step       {manifest.step}")
+    print(f"versions   {json.dumps(manifest.versions)}")
+    if manifest.config is not None:
+        print(f"config     {json.dumps(manifest.config, sort_keys=True)}")
+    if manifest.data_state is not None:
+        print(f"data       {json.dumps(manifest.data_state)}")
+    bad = 0
+    rows = []
+    for filename, entry in manifest.files.items():
+        try:
+            ckpt._verify(path / filename, entry)
+            status = "sha256 ok"
+        except ckpt.CheckpointError as e:
+            status, bad = f"DAMAGED: {e}", bad + 1
+        print(f"file       {filename:24s} {entry.size:>12,d} bytes  {status}")
+        if status != "sha256 ok":
+            continue
+        with safe_open(str(path / filename), framework="pt") as f:
+            for name in f.keys():
+                sl = f.get_slice(name)
+                shape, dtype = sl.get_shape(), sl.get_dtype()
+                numel = 1
+                for s in shape:
+                    numel *= s
+                rows.append((filename.removesuffix(".safetensors"), name, shape, dtype, numel))
+    width = max((len(f"{g}/{n}") for g, n, *_ in rows), default=10)
+    print(f"\n{'tensor':{width}s}  {'shape':18s} {'dtype':8s} {'elements':>12s}")
+    for group, name, shape, dtype, numel in rows:
+        print(f"{group + '/' + name:{width}s}  {str(list(shape)):18s} {dtype:8s} {numel:>12,d}")
+    print(f"{len(rows)} tensors, {sum(r[4] for r in rows):,d} elements" + (f"; {bad} damaged file(s)" if bad else ""))
+    return 1 if bad else 0
+
+
+# --------------------------------------------------------------------------- #
+# The command line.
+# --------------------------------------------------------------------------- #
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="purestep", description="Train with purestep.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def run_flags(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--out", type=Path, help="run directory (metrics.jsonl, checkpoints/)")
+        q.add_argument("--steps", type=int, help="override the number of steps")
+        q.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
+        q.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config field, e.g. --set optimizer.lr=1e-3 (repeatable)")
+
+    train = sub.add_parser("train", help="train from a TOML/YAML/JSON config")
+    train.add_argument("config", type=Path)
+    run_flags(train)
+    demo = sub.add_parser("demo", help="train a small GPT on the Python standard library's sources")
+    run_flags(demo)
+    pl = sub.add_parser("plot", help="plot loss, lr and grad norm of a run to a PNG")
+    pl.add_argument("run_dir", type=Path)
+    pl.add_argument("--out", type=Path, help="PNG path (default RUN_DIR/metrics.png)")
+    ins = sub.add_parser("inspect", help="show a checkpoint's step, config and tensors")
+    ins.add_argument("checkpoint", type=Path)
+    return p
+
+
+def _demo_out(out: Path | None, resume: bool) -> Path:
+    if out is not None:
+        return out
+    base = Path("runs/demo")
+    if resume or int(os.environ.get("WORLD_SIZE", "1")) > 1 or not base.exists():
+        return base
+    i = 2
+    while Path(f"{base}-{i}").exists():
+        i += 1
+    return Path(f"{base}-{i}")
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "plot":
+        print(plot(args.run_dir, args.out))
+        return 0
+    if args.command == "inspect":
+        return inspect_checkpoint(args.checkpoint)
+    overrides = list(args.overrides) + ([f"steps={args.steps}"] if args.steps is not None else [])
+    if args.command == "train":
+        cfg = load_config(args.config, overrides)
+        out = args.out or Path("runs") / args.config.stem
+    else:
+        cfg = apply_overrides(demo_config(), overrides)
+        out = _demo_out(args.out, args.resume)
+    run(cfg, out, resume=args.resume, sample=args.command == "demo")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of the `purestep` console script."""
+    from .trainer import RunDirError
+
+    try:
+        code = _main(argv)
+    except (ConfigError, UsageError, RunDirError, ckpt.CheckpointError, FileNotFoundError) as e:
+        print(f"purestep: error: {e}", file=sys.stderr)
+        code = 2
+    except msgspec.ValidationError as e:
+        print(f"purestep: error: {e}", file=sys.stderr)
+        code = 2
+    except ValueError as e:  # core validation (hyperparameters), named by the message
+        print(f"purestep: error: {e}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt:
+        print("purestep: interrupted", file=sys.stderr)
+        code = 130
+    sys.exit(code)

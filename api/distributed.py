@@ -1,0 +1,170 @@
+"""Process groups, DDP / FSDP2 wrapping and the few collectives the Trainer needs.
+
+Launch with `torchrun` (multi-node by torchrun's own flags); a plain `python` run is a
+world of one. CPU runs use gloo, CUDA runs NCCL. Under FSDP2 parameters, gradients and
+the optimizer state are `DTensor`s sharded on dim 0: purestep's transforms run on them
+unchanged, and DTensor turns whole-tensor reductions (the global grad norm of
+`clip_by_global_norm`, Muon's matrix products) into collectives, so nothing is ever
+computed on a local shard as if it were the whole tensor. Elementwise state (Adam
+moments, the params EMA) stays shard-local.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch import Tensor, nn
+
+STRATEGIES = ("single", "ddp", "fsdp")
+
+
+@dataclass(frozen=True)
+class World:
+    """Where this process runs: `rank` of `size`, its `device`, and the strategy."""
+
+    rank: int
+    size: int
+    local_rank: int
+    device: torch.device
+    strategy: str
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.strategy != "single"
+
+
+def setup(strategy: str = "single", device: str | None = None) -> World:
+    """Join the process group torchrun describes (if any) and pick this rank's device."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if device is None:
+        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if strategy == "single":
+        if size > 1:
+            raise ValueError(
+                f"strategy='single' but torchrun started {size} processes; pass --set strategy=ddp or strategy=fsdp"
+            )
+        return World(0, 1, 0, dev, strategy)
+    if not dist.is_initialized():
+        if "MASTER_ADDR" not in os.environ:  # a plain `python` run: a world of one
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+            os.environ.setdefault("RANK", "0")
+            os.environ.setdefault("WORLD_SIZE", "1")
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10), device_id=dev if dev.type == "cuda" else None)
+    return World(dist.get_rank(), dist.get_world_size(), local_rank, dev, strategy)
+
+
+def teardown(world: World) -> None:
+    if world.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks FSDP2 shards one by one: the first ModuleList named blocks/layers/h."""
+    for name in ("blocks", "layers", "h"):
+        for module in model.modules():
+            child = getattr(module, name, None)
+            if isinstance(child, nn.ModuleList):
+                return list(child)
+    return []
+
+
+def wrap(model: nn.Module, world: World, *, precision: str = "fp32") -> nn.Module:
+    """`model` on `world.device`, wrapped for the strategy (DDP, or FSDP2 per block then root)."""
+    model = model.to(world.device)
+    if world.strategy == "ddp":
+        ids = [world.device.index] if world.device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    if world.strategy == "fsdp":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        kwargs: dict[str, Any] = {}
+        if world.device.type == "cuda" and precision == "bf16":
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in blocks_of(model):
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside a DDP wrapper or a torch.compile wrapper."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def all_reduce_sum(t: Tensor, world: World) -> Tensor:
+    """`t` summed over ranks (in place; returned)."""
+    if world.distributed:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def broadcast_object(obj: Any, world: World) -> Any:
+    """Rank 0's `obj` on every rank."""
+    if not world.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier(world: World) -> None:
+    if world.distributed:
+        dist.barrier()
+
+
+def is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def local(t: Tensor) -> Tensor:
+    """This rank's shard of a DTensor (the tensor itself otherwise)."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def full_tree(tree: Any) -> Any:
+    """Every DTensor leaf gathered into a full plain tensor (a collective: call on all ranks)."""
+    return pytree.tree_map(lambda t: t.full_tensor() if is_dtensor(t) else t, tree)
+
+
+def shard_like(full: Tensor, like: Tensor) -> Tensor:
+    """`full` (the whole tensor, present on every rank) laid out like `like` (a DTensor or a plain tensor)."""
+    if not is_dtensor(like):
+        return full.to(device=like.device, dtype=like.dtype)
+    from torch.distributed.tensor import distribute_tensor
+
+    full = full.to(device=like.to_local().device, dtype=like.dtype)
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+
+
+def copy_into_(dst_tree: Any, src_tree: Any) -> None:
+    """Write each leaf of `src_tree` into the same leaf of `dst_tree` (DTensor or plain), no autograd."""
+    with torch.no_grad():
+        for d, s in zip(pytree.tree_leaves(dst_tree), pytree.tree_leaves(src_tree)):
+            if isinstance(d, Tensor) and d is not s:
+                local(d).copy_(local(s))

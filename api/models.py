@@ -1,0 +1,136 @@
+"""The demo's model: a small GPT (RMSNorm, rotary positions, SwiGLU), and its loss.
+
+Names follow the conventions `ps.muon_labels` and `ps.decay_mask` read: `embed.*`,
+`blocks.<i>.*`, `norm.*`, `lm_head.*`. `flops_per_token()` lets the Trainer report MFU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def rope_tables(seq_len: int, head_dim: int, base: float = 10_000.0) -> tuple[Tensor, Tensor]:
+    """cos and sin tables, each (seq_len, head_dim // 2)."""
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate pairs of channels of x (B, H, T, D) by position-dependent angles."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[: x.shape[-2]], sin[: x.shape[-2]]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, C // self.n_heads).permute(2, 0, 3, 1, 4)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(dim, 2 * hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, n_heads: int, hidden: int) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(dim)
+        self.attn = Attention(dim, n_heads)
+        self.mlp_norm = nn.RMSNorm(dim)
+        self.mlp = SwiGLU(dim, hidden)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    """A decoder-only transformer over bytes (vocab 256 by default).
+
+    `forward(input)` maps (B, T) int64 tokens to (B, T, vocab) logits. `blocks` is the
+    list FSDP2 shards one by one.
+    """
+
+    def __init__(
+        self, *, vocab_size: int = 256, dim: int = 128, n_layers: int = 4, n_heads: int = 4, seq_len: int = 128,
+        mlp_ratio: float = 8 / 3,
+    ) -> None:
+        super().__init__()
+        if dim % n_heads or (dim // n_heads) % 2:
+            raise ValueError(f"model.dim={dim} must split into n_heads={n_heads} heads of even size")
+        hidden = int(mlp_ratio * dim + 63) // 64 * 64
+        self.vocab_size, self.dim, self.n_layers, self.seq_len = vocab_size, dim, n_layers, seq_len
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.blocks = nn.ModuleList(Block(dim, n_heads, hidden) for _ in range(n_layers))
+        self.norm = nn.RMSNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab_size, bias=False)
+        cos, sin = rope_tables(seq_len, dim // n_heads)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                std = 0.02 / math.sqrt(2 * self.n_layers) if name.endswith(("proj.weight", "down.weight")) else 0.02
+                nn.init.normal_(p, std=std)
+        for block in self.blocks:
+            nn.init.zeros_(block.attn.proj.weight)
+            nn.init.zeros_(block.mlp.down.weight)
+
+    def forward(self, input: Tensor) -> Tensor:
+        x = self.embed(input)
+        for block in self.blocks:
+            x = block(x, self.rope_cos, self.rope_sin)
+        return self.lm_head(self.norm(x))
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6 per matmul weight plus attention (PaLM, appendix B)."""
+        matmul = sum(p.numel() for n, p in self.named_parameters() if p.dim() == 2 and not n.startswith("embed"))
+        return 6.0 * matmul + 12.0 * self.n_layers * self.dim * self.seq_len
+
+    @torch.no_grad()
+    def generate(self, prompt: Tensor, new_tokens: int, *, temperature: float = 0.8, top_k: int = 20,
+                 generator: torch.Generator | None = None) -> Tensor:
+        """Sample `new_tokens` after `prompt` ((T,) int64), returning the (T + new_tokens,) sequence."""
+        seq = prompt.clone()
+        for _ in range(new_tokens):
+            logits = self(seq[-self.seq_len :][None])[0, -1].float() / max(temperature, 1e-5)
+            top, idx = logits.topk(min(top_k, logits.numel()))
+            choice = torch.multinomial(top.softmax(-1).cpu(), 1, generator=generator).to(idx.device)
+            seq = torch.cat([seq, idx[choice]])
+        return seq
+
+
+def lm_loss(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    """Summed next-token cross-entropy and the number of tokens it sums over.
+
+    The Trainer divides by the token count of the whole global batch, so gradient
+    accumulation and data parallelism weight every token equally.
+    """
+    logits = model(batch["input"])
+    target = batch["target"]
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), reduction="sum", ignore_index=-100)
+    return loss, (target != -100).sum()

@@ -94,14 +94,17 @@ def _orthogonalize_batch(
     return x
 
 
-def _emulate_bf16(dtype: torch.dtype, device: torch.device) -> bool:
-    """bf16 matmuls on a CPU without bf16 units run ~7x slower than float32 ones; there the
-    iterations run in float32 with every result rounded to bf16 (same values, float32 speed)."""
-    if dtype != torch.bfloat16 or device.type != "cpu":
-        return False
+def _cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX). Without, bf16 matmuls run
+    ~7x slower than float32 ones, so Muon runs its bf16 iterations in float32 with every result
+    rounded to bf16 (the same values, float32 speed)."""
     cpu = getattr(torch, "cpu", None)
-    native = getattr(cpu, "_is_avx512_bf16_supported", lambda: True)() or getattr(cpu, "_is_amx_tile_supported", lambda: False)()
-    return not native
+    ask = lambda name, default: getattr(cpu, name, lambda: default)()  # noqa: E731
+    return bool(ask("_is_avx512_bf16_supported", True) or ask("_is_amx_tile_supported", False))
+
+
+# A hardware fact, asked once at import: torch.compile cannot trace the query itself.
+CPU_BF16_MATMUL = _cpu_has_bf16_matmul()
 
 
 def _as_wide_matrix(g: Tensor) -> tuple[Tensor, bool]:
@@ -116,6 +119,7 @@ def orthogonalize_leaves(
     safety: float,
     eps: float,
     dtype: torch.dtype,
+    cpu_bf16: bool = True,
 ) -> list[Tensor]:
     """Each leaf (≥ 2-D, seen as shape[0] × prod(rest)) orthogonalized; same-shape matrices
     share one batched matmul per iteration. Results come back in each leaf's dtype."""
@@ -131,7 +135,7 @@ def orthogonalize_leaves(
     for (_, device), idx in groups.items():
         batch = torch.stack([mats[i].to(dtype) for i in idx])  # (N, rows, cols)
         round_to = None
-        if _emulate_bf16(dtype, device):
+        if dtype == torch.bfloat16 and device.type == "cpu" and not cpu_bf16:
             batch, round_to = batch.float(), dtype
         result = _orthogonalize_batch(batch, coefficients, safety, eps, round_to)
         for i, o in zip(idx, result.unbind(0)):
@@ -191,7 +195,13 @@ def scale_by_muon(
     """Muon's orthogonalized momentum, `s(A, B) · NS(m̃)`; see `muon` for the rule.
 
     Every leaf must have >= 2 dims; a leaf of shape (A, ...) is orthogonalized as an
-    A × prod(rest) matrix, and matrices of one shape are stacked into one batched matmul.
+    A × prod(rest) matrix, and matrices of one shape (or its transpose) are stacked into
+    one batched matmul per iteration.
+
+    Note:
+        With `ns_dtype=torch.bfloat16` on a CPU without bf16 matmul units (no AVX512-BF16 or
+        AMX), the iterations run in float32 with every intermediate rounded to bf16: the values
+        of a bf16 matmul with float32 accumulation (equal up to accumulation order), ~7x faster.
 
     Example:
         >>> import torch, purestep.core as ps
@@ -205,6 +215,7 @@ def scale_by_muon(
     check_nonnegative("momentum", momentum)
     check_muon_args(ns_steps, ns_coefficients, ns_dtype, adjust_lr, eps)
     coefficients, safety = _coefficient_schedule(ns_coefficients, ns_steps)
+    cpu_bf16 = ns_dtype != torch.bfloat16 or CPU_BF16_MATMUL
 
     def init(params: Params) -> ScaleByMuonState:
         _check_matrices(params, "params")
@@ -220,7 +231,7 @@ def scale_by_muon(
         mu = tr.cast_like(tr.ema(mu, gs, beta), gs)
         # m̃ = (1-β)·g + β·m with nesterov, else m
         src = tr.cast_like(tr.ema(gs, mu, 1.0 - beta), gs) if nesterov else mu
-        ortho = orthogonalize_leaves(src, coefficients, safety, eps, ns_dtype)
+        ortho = orthogonalize_leaves(src, coefficients, safety, eps, ns_dtype, cpu_bf16)
         out = [o * _lr_ratio(o.shape, adjust_lr) for o in ortho]
         return pytree.tree_unflatten(out, spec), ScaleByMuonState(state.count + 1, pytree.tree_unflatten(mu, spec))
 

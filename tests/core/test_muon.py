@@ -293,7 +293,7 @@ def test_muon_adamw_trains_a_small_transformer():
 
 
 def test_muon_state_has_no_recompile_when_lr_and_momentum_change():
-    opt = ps.inject_hyperparams(ps.muon)(lr=0.02, momentum=0.95, ns_dtype=torch.float32)
+    opt = ps.inject_hyperparams(ps.muon)(lr=0.02, momentum=0.95)  # bf16 iterations
     params = make({"w": (8, 16)}, dtype=torch.float32)
     state = opt.init(params)
     step = torch.compile(lambda g, s, p: opt.update(g, s, p), fullgraph=True)
@@ -303,4 +303,5 @@ def test_muon_state_has_no_recompile_when_lr_and_momentum_change():
     with torch.compiler.set_stance("fail_on_recompile"):
         compiled, _ = step(g, state, params)
     eager, _ = opt.update(g, state, params)
-    torch.testing.assert_close(compiled["w"], eager["w"], rtol=1e-4, atol=1e-6)
+    # bf16 iterations amplify ulp-level differences in fusion/accumulation order: 5% of lr
+    torch.testing.assert_close(compiled["w"], eager["w"], rtol=0, atol=5e-2 * 0.01)

@@ -377,8 +377,10 @@ class Trainer:
 
     def _write(self, record: dict[str, Any]) -> None:
         if self.out is not None and self.world.main:
+            # Strict JSON: a non-finite number is written as its name ("nan", "inf").
+            clean = {k: (repr(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
             with open(self.out / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps(clean, allow_nan=False) + "\n")
 
     def fit(self, *, resume: bool = False) -> dict[str, Any]:
         """Train until `config.steps` batches (or `config.time_budget` seconds); return the last metrics."""

@@ -32,13 +32,13 @@ def demo_config() -> TrainConfig:
     """The demo's recipe: a 4-layer byte-level GPT, Muon + AdamW, warmup + cosine, clipping, EMA."""
     ns_dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # bf16 matmuls are slow on CPU
     return TrainConfig(
-        steps=150, batch_size=16, log_every=10, eval_every=50, eval_batches=4, checkpoint_every=50, keep_last=2,
+        steps=120, batch_size=16, log_every=10, eval_every=50, eval_batches=4, checkpoint_every=50, keep_last=2,
         ema_decay=0.99, spike_factor=4.0,
         optimizer=OptimizerConfig(
             name="muon_adamw", lr=0.02, clip_grad_norm=1.0,
             kwargs={"adamw_lr": 3e-3, "ns_dtype": ns_dtype, "weight_decay": 0.01, "adamw_weight_decay": 0.01},
         ),
-        schedule=ScheduleConfig(name="warmup_cosine", warmup_steps=10, final_lr=0.002),
+        schedule=ScheduleConfig(name="warmup_cosine", final_lr=0.002),  # warmup: 5% of the steps
         model=ModelConfig(n_layer=4, n_head=4, n_embd=128, block_size=128),
         data=DataConfig(source="stdlib", max_bytes=2_000_000),
     )
@@ -122,7 +122,7 @@ def _sample(trainer: Any, prompt: str = "def ", n: int = 160) -> str:
 
 def run(cfg: TrainConfig, out: Path | None, *, resume: bool, sample: bool = False) -> dict[str, Any]:
     main = int(os.environ.get("RANK", "0")) == 0
-    trainer = build_trainer(cfg, out, progress=main and sys.stderr.isatty())
+    trainer = build_trainer(cfg, out, progress=main)
     try:
         if main:
             n = sum(p.numel() for p in trainer.named.values())
@@ -130,8 +130,6 @@ def run(cfg: TrainConfig, out: Path | None, *, resume: bool, sample: bool = Fals
                   f"tokens, {cfg.optimizer.name}, strategy={cfg.strategy}, run dir {out}", flush=True)
         first = trainer.evaluate() if sample else None
         summary = trainer.fit(resume=resume)
-        if main and not sys.stderr.isatty():  # no progress bar: print the curve
-            _print_curve(out)
         if sample:
             text = _sample(trainer)
             last = trainer.evaluate()
@@ -143,15 +141,6 @@ def run(cfg: TrainConfig, out: Path | None, *, resume: bool, sample: bool = Fals
         return summary
     finally:
         trainer.close()
-
-
-def _print_curve(out: Path | None) -> None:
-    if out is None or not (out / "metrics.jsonl").exists():
-        return
-    for rec in _records(out):
-        if rec.get("loss") is not None and "event" not in rec:
-            print(f"step {rec['step']:5d}  loss {rec['loss']:.4f}  lr {rec.get('lr') or 0:.2e}  "
-                  f"grad norm {rec.get('grad_norm', 0):.3f}  {rec.get('tokens_per_s', 0):.0f} tok/s", flush=True)
 
 
 def _records(run_dir: Path) -> list[dict[str, Any]]:

@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import msgspec
 import torch
 from torch import Tensor, nn
 
@@ -72,7 +71,7 @@ class Trainer:
       data: an object with `batch(step, rank, world, split="train")` (see `ByteCorpus`).
       out: the run directory (metrics.jsonl, checkpoints/); None keeps nothing on disk.
       ema: an averaging pair such as `ps.params_ema(0.999)`, or None.
-      progress: show a progress bar (rank 0).
+      progress: show progress on rank 0: a tqdm bar on a terminal, else a line per log.
     """
 
     def __init__(
@@ -387,7 +386,7 @@ class Trainer:
         cfg = self.config
         self._open_run(resume)
         bar = None
-        if self.progress and self.world.main:
+        if self.progress and self.world.main and sys.stderr.isatty():
             from tqdm import tqdm
 
             bar = tqdm(total=cfg.steps, initial=self.step, unit="step", dynamic_ncols=True, leave=True)
@@ -414,11 +413,14 @@ class Trainer:
                 self._write(log)
                 if bar is not None and log["loss"] is not None:
                     bar.set_postfix(loss=f"{log['loss']:.3f}", lr=f"{log['lr'] or 0:.2e}", tok_s=f"{tok_s:.0f}")
+                elif self.progress and self.world.main and log["loss"] is not None:  # no terminal: plain lines
+                    print(f"step {self.step:5d}  loss {log['loss']:.4f}  lr {log['lr'] or 0:.2e}  "
+                          f"grad norm {log['grad_norm']:.3f}  {tok_s:.0f} tok/s", flush=True)
             if cfg.eval_every and self.step % cfg.eval_every == 0:
                 self.last["val_loss"] = self.evaluate()
                 self._write({"step": self.step, "val_loss": self.last["val_loss"]})
-                if bar is not None:
-                    bar.write(f"step {self.step}: val loss {self.last['val_loss']:.4f}")
+                if self.progress and self.world.main:
+                    (bar.write if bar is not None else print)(f"step {self.step:5d}  val loss {self.last['val_loss']:.4f}")
             if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                 self.save()
         if bar is not None:
@@ -430,7 +432,3 @@ class Trainer:
     def close(self) -> None:
         D.teardown(self.world)
 
-
-def config_dict(config: Any) -> dict[str, Any]:
-    """A config as plain data (for logs)."""
-    return msgspec.to_builtins(config)

@@ -226,9 +226,10 @@ def make_step(
     `torch.func.grad_and_value`. `metrics` holds 0-d tensors, computed without a host
     sync: `loss` (mean over micro-batches), `grad_norm` (global norm of the averaged
     grads, before any clipping), `update_norm` (global norm of the applied update), and
-    `lr` when the optimizer injects one (`ps.inject_hyperparams(ps.adamw)(lr=...)`: the
-    value this step used); with `has_aux`, `aux` (stacked on a new dim 0 when
-    `micro_batches > 1`).
+    `lr` when the state holds exactly one injected `lr`
+    (`ps.inject_hyperparams(ps.adamw)(lr=...)`: the value this step used; a schedule
+    baked into a plain `ps.adamw(lr=schedule)` has no state entry to read); with
+    `has_aux`, `aux` (stacked on a new dim 0 when `micro_batches > 1`).
 
     Buffers (BatchNorm statistics, see `functional_model`) are threaded through:
     `step(params, opt_state, batch, buffers) -> (params, opt_state, metrics, buffers)`

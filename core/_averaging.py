@@ -41,8 +41,9 @@ def _lerp(ms: list[Tensor], xs: list[Tensor], w: Tensor, keep: Tensor) -> list[T
         return out
     fm, fx = [ms[i] for i in floats], [xs[i] for i in floats]
     # m + w·(x - m) with m zeroed on the first update (count 0, w = 1), which then copies x exactly
+    refs = fm
     fm = tr.mul(fm, keep)
-    res = tr.cast_like(tr.axpy(w, tr.sub(fx, fm), fm), fm)
+    res = tr.cast_like(tr.axpy(w, tr.sub(fx, fm), fm), refs)  # a 0-d leaf stays in its dtype
     for i, r in zip(floats, res):
         out[i] = r
     return out

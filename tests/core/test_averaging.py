@@ -128,3 +128,12 @@ def test_update_with_mismatched_params_names_the_leaf():
     avg = ema.init({"w": torch.zeros(2)})
     with pytest.raises(ValueError, match="'w'"):
         ema.update(avg, {"w": torch.zeros(3)})
+
+
+def test_averages_keep_each_leaf_dtype_including_zero_dim_leaves():
+    params = {"t": torch.tensor(1.0), "w": torch.ones(3, dtype=torch.bfloat16), "d": torch.ones(2, dtype=torch.float64)}
+    for averager in (ps.params_ema(0.9), ps.params_swa()):
+        avg = averager.init(params)
+        for _ in range(3):
+            avg = averager.update(avg, params)
+        assert {k: v.dtype for k, v in avg.params.items()} == {k: v.dtype for k, v in params.items()}

@@ -132,23 +132,12 @@ class Optimizer(torch.optim.Optimizer):
         self._groups.append(g)
 
     def _make_run(self, transform: ps.Transform) -> Callable[[dict, dict, Any], Any]:
-        make_update = getattr(ps, "make_update", None)
-        if make_update is not None:
-            update = make_update(transform, compile=self._compile, donate=True)
+        update = ps.make_update(transform, compile=self._compile, donate=True)
 
-            def run(params: dict, grads: dict, state: Any) -> Any:
-                return update(params, grads, state)[1]
+        def run(params: dict, grads: dict, state: Any) -> Any:
+            return update(params, grads, state)[1]
 
-            return run
-        if self._compile:
-            raise ValueError("compile=True needs ps.make_update")
-
-        def run_plain(params: dict, grads: dict, state: Any) -> Any:
-            updates, state = transform.update(grads, state, params)
-            ps.apply_updates_(params, updates)
-            return state
-
-        return run_plain
+        return run
 
     def _push_hyperparams(self, group: dict[str, Any], g: _Group) -> None:
         for key, old in g.pushed.items():

@@ -9,6 +9,18 @@ Layout of one checkpoint directory:
     manifest.json           step, config, data position, versions, sha256 + size of every file,
                             and a sha256 of the manifest itself
 
+A checkpoint saved with `distributed=True` (FSDP2 runs; `layout: "dcp"` in the manifest)
+is written by `torch.distributed.checkpoint` with its safetensors storage
+(`HuggingFaceStorageWriter(save_distributed=True)`): every rank writes its own shards,
+`shard-<rank+1>-model-<group>-of-<groups>.safetensors`, groups 1/2/3 = params, opt_state,
+ema, keys `params.<name>`, `opt_state.<path>`, `ema.<path>`, each shard's offset in the
+full tensor in the file's `DCP_SHARDING_INFO` header. `rng.safetensors` and the manifest
+are written by rank 0 as above. Such a directory is a DCP checkpoint
+(`HuggingFaceStorageReader` reads it, resharding to any world size: `load_distributed`)
+and a purestep checkpoint (`load_checkpoint` assembles whole tensors in one process, no
+process group needed). DCP's own consolidation (`enable_consolidation=True`) is not used:
+in torch 2.13 it calls `torch.finfo` on every dtype and fails on the int64 step counters.
+
 The directory is built under a temporary name in the same parent, every file and the
 directory are fsynced, and one `rename` publishes it: a reader sees the whole checkpoint
 or none of it. No pickle is used anywhere.
@@ -24,6 +36,7 @@ import re
 import shutil
 import time
 import uuid
+import warnings
 from importlib import metadata as _metadata
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -38,6 +51,8 @@ import purestep.core as ps
 
 MANIFEST = "manifest.json"
 FORMAT = 1
+LAYOUTS = ("files", "dcp")
+_GROUPS = ("params", "opt_state", "ema")  # DCP file index = position + 1
 _CHUNK = 1 << 22
 
 
@@ -62,6 +77,9 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     data_state: Any = None
     metadata: dict[str, Any] = {}
     python_rng: Any = None
+    layout: str = "files"  # "files": one safetensors file per group; "dcp": torch.distributed.checkpoint shards
+    world_size: int = 1  # the number of ranks that wrote the checkpoint
+    order: dict[str, list[str]] = {}  # "dcp": group -> its key paths in the order they were saved
     checksum: str = ""  # sha256 of this manifest encoded with checksum=""
 
 
@@ -111,6 +129,7 @@ def save_checkpoint(
     data_state: Any = None,
     rng: bool = True,
     keep_last: int | None = None,
+    distributed: bool = False,
 ) -> Path:
     """Write a checkpoint directory at `path` atomically and return its path.
 
@@ -127,6 +146,10 @@ def save_checkpoint(
       rng: save the torch CPU/CUDA and Python `random` states (`Checkpoint.restore_rng`).
       keep_last: after the new checkpoint is complete, delete all but the newest
         `keep_last` complete checkpoints beside it (the new one is always kept).
+      distributed: write through `torch.distributed.checkpoint` with its safetensors
+        storage (the "dcp" layout): a collective that every rank calls with its own
+        (DTensor-sharded) trees; rank 0 publishes after all ranks wrote. Without a process
+        group it writes one process's shards (whole tensors).
 
     Example:
         >>> import tempfile, torch
@@ -141,6 +164,9 @@ def save_checkpoint(
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
         raise ValueError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
     final = Path(path)
+    if distributed:
+        return _save_dcp(final, params=params, opt_state=opt_state, ema=ema, step=step, metadata=metadata,
+                         config=config, data_state=data_state, rng=rng, keep_last=keep_last)
     parent = final.parent
     parent.mkdir(parents=True, exist_ok=True)
     groups = {"params": _flat(params, "params")}
@@ -183,6 +209,126 @@ def save_checkpoint(
     if keep_last is not None:
         _prune(parent, final, keep_last)
     return final
+
+
+def _dist() -> tuple[int, int]:
+    """(rank, world size) of the default process group, (0, 1) without one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _bcast(obj: Any) -> Any:
+    import torch.distributed as dist
+
+    if _dist()[1] == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _dcp_state(params: Any, opt_state: Any, ema: Any, check: bool = True) -> dict[str, Tensor]:
+    """The flat state dict DCP sees: `group.path -> tensor` (DTensors stay DTensors)."""
+    out: dict[str, Tensor] = {}
+    for group, tree in zip(_GROUPS, (params, opt_state, ema)):
+        if tree is None:
+            continue
+        for path, leaf in ps.tree_flatten_with_path(tree)[0]:
+            if not isinstance(leaf, Tensor):
+                raise ValueError(
+                    f"{group} leaf '{path}' is {type(leaf).__name__}, not a tensor; checkpoints hold tensors only "
+                    "(keep plain values in metadata=...)"
+                )
+            key = f"{group}.{path}"
+            if check and key in out:
+                raise ValueError(f"{group} has two leaves at path '{path}'")
+            out[key] = leaf.detach()
+    return out
+
+
+def _save_dcp(final: Path, *, params: Any, opt_state: Any, ema: Any, step: int, metadata: Any, config: Any,
+              data_state: Any, rng: bool, keep_last: int | None) -> Path:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    rank, size = _dist()
+    parent = final.parent
+    state = _dcp_state(params, opt_state, ema)
+    try:
+        config_data = msgspec.to_builtins(config)
+        extras = msgspec.to_builtins(metadata or {})
+        data_data = msgspec.to_builtins(data_state)
+    except TypeError as e:
+        raise ValueError(f"config, metadata and data_state must be msgspec-encodable plain data: {e}") from None
+    # Every rank writes into the same temporary directory; rank 0 names it.
+    tmp = _bcast(parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}" if rank == 0 else None)
+    if rank == 0:
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    _bcast(None)  # the directory exists before anyone writes into it
+    mapping = {key: _GROUPS.index(key.split(".", 1)[0]) + 1 for key in state}
+    order: dict[str, list[str]] = {}
+    for key in state:
+        group, path_in_group = key.split(".", 1)
+        order.setdefault(group, []).append(path_in_group)
+    error = None
+    try:
+        writer = HuggingFaceStorageWriter(str(tmp), fqn_to_index_mapping=mapping, save_distributed=True)
+        dcp.save(state, storage_writer=writer, no_dist=size == 1)
+        # Each rank hashes (and fsyncs) the files it wrote; DCP numbers a rank's shards rank + 1.
+        mine = {f.name: _fsync_and_hash(f) for f in sorted(tmp.glob(f"shard-{rank + 1:05d}-*.safetensors"))}
+    except Exception as e:  # noqa: BLE001 - reported on every rank below
+        mine, error = {}, f"rank {rank}: {type(e).__name__}: {e}"
+    gathered = _gather(mine, error)
+    if rank == 0:
+        try:
+            errors = [err for _, err in gathered if err]
+            if errors:
+                raise CheckpointError(f"{final}: torch.distributed.checkpoint save failed: {errors[0]}")
+            files = {name: entry for files_of_rank, _ in gathered for name, entry in files_of_rank.items()}
+            if rng:
+                files["rng.safetensors"] = _write_tensors(tmp / "rng.safetensors", _rng_tensors())
+            manifest = Manifest(
+                step=step, files=dict(sorted(files.items())), versions=_versions(), created_unix=time.time(),
+                config=config_data, data_state=data_data, metadata=extras,
+                python_rng=_python_rng() if rng else None, layout="dcp", world_size=size, order=order,
+            )
+            _write_bytes(tmp / MANIFEST, _encode_manifest(manifest))
+            _fsync_dir(tmp)
+            _publish(tmp, final)
+            if keep_last is not None:
+                _prune(parent, final, keep_last)
+            outcome = None
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            outcome = e
+        message = _bcast(None if outcome is None else str(outcome))
+        if outcome is not None:
+            raise outcome
+    else:
+        message = _bcast(None)
+        if message is not None:
+            raise CheckpointError(message)
+    return final
+
+
+def _gather(files: dict[str, FileEntry], error: str | None) -> list[tuple[dict[str, FileEntry], str | None]]:
+    """Every rank's (files, error) on rank 0."""
+    import torch.distributed as dist
+
+    rank, size = _dist()
+    item = ({k: [v.sha256, v.size] for k, v in files.items()}, error)
+    if size == 1:
+        out = [item]
+    else:
+        out = [None] * size if rank == 0 else None
+        dist.gather_object(item, out, dst=0)
+        if rank != 0:
+            return []
+    return [({k: FileEntry(sha256=h, size=n) for k, (h, n) in f.items()}, err) for f, err in out]
 
 
 def checkpoint_dir(run_dir: str | os.PathLike, step: int) -> Path:
@@ -323,6 +469,8 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
         raise CheckpointError(f"{file}: checksum mismatch; the manifest was changed after it was written")
     if manifest.format != FORMAT:
         raise CheckpointError(f"{file}: checkpoint format {manifest.format}, this purestep reads {FORMAT}")
+    if manifest.layout not in LAYOUTS:
+        raise CheckpointError(f"{file}: unknown layout {manifest.layout!r}, this purestep reads {LAYOUTS}")
     return manifest
 
 
@@ -355,6 +503,15 @@ def load_checkpoint(
     for filename, entry in manifest.files.items():
         _verify(root / filename, entry)
     dev = "cpu" if device is None else str(torch.device(device))
+    if manifest.layout == "dcp":
+        whole = _read_dcp_whole(root, manifest)
+        groups = {g: {k: t.to(dev) for k, t in ts.items()} if ts else None for g, ts in whole.items()}
+        params = groups["params"]
+        if params is None:
+            raise CheckpointError(f"{root}: a DCP checkpoint that holds no params")
+        opt_state = _rebuild(groups["opt_state"], opt_state_like, root / "shard-*-model-00002-*.safetensors", "opt_state_like")
+        ema = _rebuild(groups["ema"], ema_like, root / "shard-*-model-00003-*.safetensors", "ema_like")
+        return Checkpoint(params, opt_state, ema, manifest.step, manifest, _load_rng(root, manifest))
 
     def load(name: str) -> dict[str, Tensor] | None:
         filename = f"{name}.safetensors"
@@ -377,6 +534,102 @@ def load_checkpoint(
     opt_state = _rebuild(opt_flat, opt_state_like, root / "opt_state.safetensors", "opt_state_like")
     ema = _rebuild(ema_flat, ema_like, root / "ema.safetensors", "ema_like")
     return Checkpoint(params, opt_state, ema, manifest.step, manifest, load("rng") or {})
+
+
+def _load_rng(root: Path, manifest: Manifest) -> dict[str, Tensor]:
+    if "rng.safetensors" not in manifest.files:
+        return {}
+    try:
+        return safetensors.torch.load_file(str(root / "rng.safetensors"))
+    except Exception as e:
+        raise CheckpointError(f"{root / 'rng.safetensors'}: not a readable safetensors file ({e})") from None
+
+
+def _dcp_reader(root: Path) -> Any:
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    return HuggingFaceStorageReader(str(root))
+
+
+def _read_dcp_whole(root: Path, manifest: Manifest) -> dict[str, dict[str, Tensor]]:
+    """Every tensor of a "dcp" checkpoint assembled whole in this process (no process group used)."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        meta = _dcp_reader(root).read_metadata().state_dict_metadata
+        keys = [k for k in meta if k.split(".", 1)[0] in _GROUPS]
+        state = {k: torch.empty(meta[k].size, dtype=meta[k].properties.dtype) for k in keys}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=_dcp_reader(root), no_dist=True)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"{root}: not a readable torch.distributed.checkpoint directory ({e})") from None
+    out: dict[str, dict[str, Tensor]] = {g: {} for g in _GROUPS}
+    for group in _GROUPS:  # the saved order first, then anything the manifest does not list
+        for path in manifest.order.get(group, []):
+            if f"{group}.{path}" in state:
+                out[group][path] = state[f"{group}.{path}"]
+    for key in sorted(state):
+        group, path = key.split(".", 1)
+        out[group].setdefault(path, state[key])
+    return out
+
+
+def verify_checkpoint(path: str | os.PathLike) -> Manifest:
+    """The manifest of `path` after checking every file's size and sha256 (CheckpointError naming a bad file)."""
+    root = Path(path)
+    manifest = read_manifest(root)
+    for filename, entry in manifest.files.items():
+        _verify(root / filename, entry)
+    return manifest
+
+
+def load_distributed(
+    path: str | os.PathLike, *, params: Any, opt_state: Any = None, ema: Any = None, verify: bool = True
+) -> Checkpoint:
+    """Load a "dcp" checkpoint into trees laid out like `params` / `opt_state` / `ema` (a collective).
+
+    The trees' leaves may be DTensors sharded for any world size (FSDP2) or plain tensors:
+    `torch.distributed.checkpoint` reads each rank's slices from the saved shards, whatever
+    world size wrote them. The given trees are not written to; the Checkpoint holds new
+    tensors laid out like them (`.params`, `.opt_state`, `.ema` as trees of the inputs'
+    shape). With `verify`, rank 0 checks every file's sha256 first.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    root = Path(path)
+    rank, size = _dist()
+    problem = None
+    if rank == 0:
+        try:
+            manifest = verify_checkpoint(root) if verify else read_manifest(root)
+            if manifest.layout != "dcp":
+                raise CheckpointError(f"{root / MANIFEST}: layout {manifest.layout!r}, not a DCP checkpoint")
+        except CheckpointError as e:
+            problem = str(e)
+    problem = _bcast(problem)
+    if problem is not None:
+        raise CheckpointError(problem)
+    manifest = read_manifest(root)
+    trees = (params, opt_state, ema)
+    like = _dcp_state(*trees)
+    state = {k: torch.empty_like(v) for k, v in like.items()}
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=_dcp_reader(root), no_dist=size == 1)
+    except Exception as e:
+        raise CheckpointError(f"{root}: does not load into this run's state ({type(e).__name__}: {e})") from None
+    out = []
+    for group, tree in zip(_GROUPS, trees):
+        if tree is None:
+            out.append(None)
+            continue
+        pairs, spec = ps.tree_flatten_with_path(tree)
+        out.append(ps.tree_unflatten([state[f"{group}.{p}"] for p, _ in pairs], spec))
+    return Checkpoint(out[0], out[1], out[2], manifest.step, manifest, _load_rng(root, manifest))
 
 
 def _verify(file: Path, entry: FileEntry) -> None:

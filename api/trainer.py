@@ -290,32 +290,40 @@ class Trainer:
         """Write a checkpoint of this step (collective under FSDP2; rank 0 writes)."""
         if self.out is None:
             return None
-        params, state, ema = self.params(), self.opt_state, self.ema
-        if self.fsdp:  # gather whole tensors, so the checkpoint loads in one process or any world size
-            params, state, ema = D.full_tree((params, state, ema))
+        # FSDP2: every rank writes its shards through torch.distributed.checkpoint; the
+        # checkpoint still loads whole in one process and on any world size.
         path = None
-        if self.world.main:
+        if self.world.main or self.fsdp:
             path = ckpt.save_checkpoint(
-                ckpt.checkpoint_dir(self.out, self.step), params=params, opt_state=state, ema=ema, step=self.step,
+                ckpt.checkpoint_dir(self.out, self.step), params=self.params(), opt_state=self.opt_state,
+                ema=self.ema, step=self.step,
                 config=self.config, data_state={"step": self.step, "seed": self.config.seed},
                 metadata={"trainer": self._trainer_state(), "world_size": self.world.size},
-                keep_last=self.config.keep_last,
+                keep_last=self.config.keep_last, distributed=self.fsdp,
             )
         D.barrier(self.world)
-        return path
+        return path if self.world.main else None
 
     def load(self, path: Path) -> None:
         """Restore params, optimizer state, EMA and the loop's position from a checkpoint."""
-        c = ckpt.load_checkpoint(path, opt_state_like=self.opt_state, ema_like=self.ema)
         params = self.params()
-        missing = sorted(set(params) - set(c.params))
-        if missing:
-            raise ckpt.CheckpointError(f"{path}/params.safetensors: has no tensor '{missing[0]}' that the model has")
-        D.copy_into_(params, {k: D.shard_like(c.params[k], v) for k, v in params.items()})
-        reshard = lambda full, like: torch.utils._pytree.tree_map(D.shard_like, full, like)  # noqa: E731
-        self.opt_state = reshard(c.opt_state, self.opt_state)
-        if self.ema is not None:
-            self.ema = reshard(c.ema, self.ema)
+        if self.fsdp and ckpt.read_manifest(path).layout == "dcp":
+            # DCP reads this rank's slices of the saved shards, whatever world size wrote them.
+            c = ckpt.load_distributed(path, params=params, opt_state=self.opt_state, ema=self.ema)
+            D.copy_into_(params, c.params)
+            self.opt_state = c.opt_state
+            if self.ema is not None:
+                self.ema = c.ema
+        else:
+            c = ckpt.load_checkpoint(path, opt_state_like=self.opt_state, ema_like=self.ema)
+            missing = sorted(set(params) - set(c.params))
+            if missing:
+                raise ckpt.CheckpointError(f"{path}: has no params tensor '{missing[0]}' that the model has")
+            D.copy_into_(params, {k: D.shard_like(c.params[k], v) for k, v in params.items()})
+            reshard = lambda full, like: torch.utils._pytree.tree_map(D.shard_like, full, like)  # noqa: E731
+            self.opt_state = reshard(c.opt_state, self.opt_state)
+            if self.ema is not None:
+                self.ema = reshard(c.ema, self.ema)
         t = c.manifest.metadata.get("trainer", {})
         self.step, self.updates, self.tokens = c.step, t.get("updates", c.step), t.get("tokens", 0)
         self.elapsed, self.spikes, self.skip = t.get("elapsed", 0.0), t.get("spikes", 0), t.get("skip", [])

@@ -247,3 +247,46 @@ def test_config_struct_is_kept_in_the_manifest(tmp_path):
     path = save_checkpoint(tmp_path / "ck", params={"w": torch.zeros(1)}, step=0, config=Small())
     assert read_manifest(path).config == {"lr": 0.1, "name": "adamw"}
     assert isinstance(read_manifest(Path(path)).files["params.safetensors"].sha256, str)
+
+
+def test_distributed_save_writes_a_dcp_safetensors_checkpoint_that_loads_whole_and_verifies(tmp_path, capsys):
+    # One process, no process group: torch.distributed.checkpoint writes this process's shards
+    # (here whole tensors); the FSDP2 multi-rank case runs in test_distributed.py.
+    from purestep.api import checkpoint as ck
+    from purestep.api.cli import inspect_checkpoint
+
+    opt, params, state, ema = trained_state(3)
+    save_checkpoint(checkpoint_dir(tmp_path, 1), params=params, step=1, distributed=True)
+    path = save_checkpoint(
+        checkpoint_dir(tmp_path, 3), params=params, opt_state=state, ema=ema, step=3, distributed=True,
+        config={"lr": 1e-2}, data_state={"offset": 96}, keep_last=1,
+    )
+    assert latest_checkpoint(tmp_path) == path and not checkpoint_dir(tmp_path, 1).exists()  # keep_last
+    manifest = read_manifest(path)
+    assert manifest.layout == "dcp" and manifest.world_size == 1 and manifest.data_state == {"offset": 96}
+    assert sorted(p.name for p in path.iterdir()) == [  # safetensors + JSON only: no pickle, no .metadata
+        "manifest.json", "rng.safetensors", "shard-00001-model-00001-of-00003.safetensors",
+        "shard-00001-model-00002-of-00003.safetensors", "shard-00001-model-00003-of-00003.safetensors",
+    ]
+    assert set(manifest.files) == {p.name for p in path.iterdir()} - {"manifest.json"}
+    loaded = load_checkpoint(path, opt_state_like=opt.init(params), ema_like=ema)
+    assert list(loaded.params) == list(params) and loaded.step == 3
+    assert_trees_equal(loaded.params, params)
+    assert_trees_equal(loaded.opt_state, state)
+    assert_trees_equal(loaded.ema, ema)
+    assert set(load_checkpoint(path).opt_state) == set(ps.tree_paths(state))
+    # The DCP route into existing trees (what FSDP2 resumes through) gives the same.
+    again = ck.load_distributed(path, params=params, opt_state=state, ema=ema)
+    assert_trees_equal(again.params, params)
+    assert_trees_equal(again.opt_state, state)
+    assert inspect_checkpoint(path) == 0  # `purestep inspect`
+    assert "shard-00001-model-00001-of-00003/params.layers.0.weight" in capsys.readouterr().out
+
+    shard = path / "shard-00001-model-00002-of-00003.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="shard-00001-model-00002-of-00003.safetensors: corrupted"):
+        load_checkpoint(path)
+    with pytest.raises(CheckpointError, match="shard-00001-model-00002-of-00003.safetensors: corrupted"):
+        ck.load_distributed(path, params=params, opt_state=state)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,9 @@ def test_fsdp2_on_two_ranks_matches_one_process_skips_nan_together_and_resumes_o
 
     fsdp = load_checkpoint(tmp_path / "fsdp" / "checkpoints" / "step_00000008")  # loads whole, in one process
     assert fsdp.manifest.metadata["world_size"] == 2
+    # Written by torch.distributed.checkpoint's safetensors storage, each rank its own shards.
+    assert fsdp.manifest.layout == "dcp" and fsdp.manifest.world_size == 2
+    assert {f.split("-model-")[0] for f in fsdp.manifest.files if f.startswith("shard-")} == {"shard-00001", "shard-00002"}
     for k, p in ref.named.items():
         torch.testing.assert_close(fsdp.params[k], p.detach(), rtol=1e-3, atol=1e-5)
     for k, e in ref.ema.params.items():  # the shard-local EMA, gathered
@@ -43,13 +47,36 @@ def test_fsdp2_on_two_ranks_matches_one_process_skips_nan_together_and_resumes_o
     logged = [json.loads(line) for line in (tmp_path / "fsdp" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged if "event" in r] == [6]
 
-    # Resume the 2-rank run on 1 rank; it continues as the single-process run does.
+    # Resume the 2-rank run under FSDP2 on 1 rank: DCP reshards the saved shards on load.
+    shutil.copytree(tmp_path / "fsdp", tmp_path / "fsdp1")
+    torchrun(str(tmp_path / "fsdp1"), "fsdp", "12", "--resume", "--nan-at", "5", nproc=1)
+    # Resume the 2-rank run on 1 plain process; it continues as the single-process run does.
     resumed = trainer(tmp_path / "fsdp", "steps=12", nan_at=5)
     resumed.fit(resume=True)
     ref = trainer(tmp_path / "single", "steps=12", nan_at=5)
     ref.fit(resume=True)
+    resharded = load_checkpoint(tmp_path / "fsdp1" / "checkpoints" / "step_00000012")
+    assert resharded.manifest.world_size == 1
     for k, p in ref.named.items():
         torch.testing.assert_close(resumed.named[k], p, rtol=1e-3, atol=1e-5)
+        torch.testing.assert_close(resharded.params[k], p.detach(), rtol=1e-3, atol=1e-5)
+
+
+def test_ddp_on_two_ranks_ends_with_the_single_process_params(tmp_path):
+    # Same seed and global batch: each rank takes half of every batch, DDP averages the grads.
+    torchrun(str(tmp_path / "ddp"), "ddp", "6")
+    ref = trainer(tmp_path / "single", "steps=6")
+    ref.fit()
+    ddp = load_checkpoint(tmp_path / "ddp" / "checkpoints" / "step_00000006")
+    assert ddp.manifest.metadata["world_size"] == 2 and ddp.manifest.layout == "files"
+    moved = 0.0
+    start = trainer(None, "steps=6")  # the same init, untrained: the check must be able to fail
+    for k, p in ref.named.items():
+        torch.testing.assert_close(ddp.params[k], p.detach(), rtol=1e-3, atol=1e-5)
+        moved = max(moved, (p.detach() - start.named[k].detach()).abs().max().item())
+    assert moved > 1e-3
+    for k, e in ref.ema.params.items():
+        torch.testing.assert_close(ddp.ema[f"params.{k}"], e, rtol=1e-3, atol=1e-5)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

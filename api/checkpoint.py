@@ -277,7 +277,9 @@ def _save_dcp(final: Path, *, params: Any, opt_state: Any, ema: Any, step: int, 
     error = None
     try:
         writer = HuggingFaceStorageWriter(str(tmp), fqn_to_index_mapping=mapping, save_distributed=True)
-        dcp.save(state, storage_writer=writer, no_dist=size == 1)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(state, storage_writer=writer, no_dist=size == 1)
         # Each rank hashes (and fsyncs) the files it wrote; DCP numbers a rank's shards rank + 1.
         mine = {f.name: _fsync_and_hash(f) for f in sorted(tmp.glob(f"shard-{rank + 1:05d}-*.safetensors"))}
     except Exception as e:  # noqa: BLE001 - reported on every rank below

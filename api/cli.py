@@ -211,6 +211,8 @@ def inspect_checkpoint(path: Path) -> int:
     manifest = ckpt.read_manifest(path)
     print(f"checkpoint {path}")
     print(f"step       {manifest.step}")
+    if manifest.layout == "dcp":
+        print(f"layout     torch.distributed.checkpoint shards from {manifest.world_size} rank(s)")
     print(f"versions   {json.dumps(manifest.versions)}")
     if manifest.config is not None:
         print(f"config     {json.dumps(manifest.config, sort_keys=True)}")

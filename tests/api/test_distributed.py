@@ -91,3 +91,16 @@ def test_cuda_bf16_run_trains(tmp_path):
 def test_fsdp2_on_two_gpus_trains(tmp_path):
     torchrun(str(tmp_path), "fsdp", "6", "--set", "precision=bf16")
     assert load_checkpoint(tmp_path / "checkpoints" / "step_00000006").step == 6
+
+
+def test_single_process_checkpoint_resumes_under_fsdp2_on_two_ranks(tmp_path):
+    # 1 -> 2 ranks: the whole-tensor checkpoint is sharded on load; the run then saves DCP shards.
+    trainer(tmp_path / "single", "steps=4").fit()
+    shutil.copytree(tmp_path / "single", tmp_path / "fsdp")
+    torchrun(str(tmp_path / "fsdp"), "fsdp", "6", "--resume")
+    ref = trainer(tmp_path / "single", "steps=6")
+    ref.fit(resume=True)
+    fsdp = load_checkpoint(tmp_path / "fsdp" / "checkpoints" / "step_00000006")
+    assert fsdp.manifest.layout == "dcp" and fsdp.manifest.world_size == 2
+    for k, p in ref.named.items():
+        torch.testing.assert_close(fsdp.params[k], p.detach(), rtol=1e-3, atol=1e-5)

@@ -268,6 +268,9 @@ def use_foreach(xs: Sequence[Tensor], *scalars: Scalar) -> bool:
 def _owned_inplace(xs: list[Tensor]) -> bool:
     # In-place kernels may reuse the storage of a list the caller created itself, but
     # not while autograd records it (the backward of sqrt, say, needs its output).
+    # Compiled code plans its own buffers: there the plain ops make a smaller graph.
+    if torch.compiler.is_compiling():
+        return False
     return use_foreach(xs) and not (torch.is_grad_enabled() and xs[0].requires_grad)
 
 

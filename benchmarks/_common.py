@@ -12,8 +12,13 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch._inductor.config
 
 RESULTS = Path(__file__).parent / "results"
+
+# Compile times are compared cold: a warm FX-graph cache from an earlier run would make
+# whichever contender ran before look fast.
+torch._inductor.config.force_disable_caches = True
 
 
 def sync(device: torch.device) -> None:
@@ -79,6 +84,7 @@ def write_result(name: str, title: str, device: torch.device, body: str) -> Path
     text = (
         f"# {title}\n\n"
         f"- date: {date}\n- machine: {machine(device)}\n- command: `{command}`\n"
+        "- inductor caches: disabled (compile times are cold)\n"
         f"- load average at the end (1, 5, 15 min): {load_average()}\n\n{body}\n"
     )
     path.write_text(text)

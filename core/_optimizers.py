@@ -59,7 +59,7 @@ def sgd(
     check_hyperparam("weight_decay", weight_decay)
     check_nonnegative("weight_decay", weight_decay)
     check_nonnegative("dampening", dampening)
-    if nesterov and (_is_zero(momentum) or dampening != 0):
+    if nesterov and (_is_zero(momentum) or (is_static(dampening) and dampening != 0)):
         raise ValueError("nesterov=True needs momentum > 0 and dampening=0 (as torch.optim.SGD)")
     momentum_step = identity() if _is_zero(momentum) else trace(momentum, nesterov, dampening=dampening)
     return chain(_decay(weight_decay), momentum_step, scale_by_lr(lr))

@@ -94,7 +94,7 @@ class TraceState(NamedTuple):
     trace: Params
 
 
-def trace(decay: ScalarOrSchedule, nesterov: bool = False, *, dampening: float = 0.0) -> Transform:
+def trace(decay: ScalarOrSchedule, nesterov: bool = False, *, dampening: float | Tensor = 0.0) -> Transform:
     """Momentum: `t ← decay·t + (1 - dampening)·g`, update `t` (or `g + decay·t` with nesterov).
 
     As in `torch.optim.SGD`, the first step sets `t ← g` without dampening.
@@ -112,7 +112,7 @@ def trace(decay: ScalarOrSchedule, nesterov: bool = False, *, dampening: float =
         gs = tr.check_match(grads, state.trace, "grads", "params")
         ts, spec = pytree.tree_flatten(state.trace)
         m = resolve(decay, state.count)
-        if dampening:
+        if isinstance(dampening, Tensor) or dampening != 0:
             # torch.optim.SGD: the first buffer is the grad itself, undamped.
             first = (state.count == 0).to(torch.float64)
             g_coef = first + (1.0 - first) * (1.0 - dampening)

@@ -321,7 +321,10 @@ def mul(xs: list[Tensor], s: Scalar) -> list[Tensor]:
 
 def add_scalar(xs: list[Tensor], s: Scalar) -> list[Tensor]:
     """x + s."""
-    if use_foreach(xs, s):
+    # Under torch.compile, _foreach_add with a 0-d tensor bakes the tensor's value into a
+    # guard (torch 2.13), so a changed eps would recompile: add it per leaf there instead.
+    tensor_in_graph = isinstance(s, Tensor) and torch.compiler.is_compiling()
+    if use_foreach(xs, s) and not tensor_in_graph:
         return list(torch._foreach_add(xs, s))
     return [x + s for x in xs]
 

@@ -17,11 +17,15 @@ from ._base import Params, ScalarOrSchedule, check_hyperparam, is_static, leaf_d
 
 
 class ParamsEmaState(NamedTuple):
+    """State of `params_ema`: the averaged params and how many updates went in."""
+
     count: Tensor  # (), int64: updates averaged in (AveragedModel's n_averaged)
     params: Params  # the averaged params
 
 
 class ParamsSwaState(NamedTuple):
+    """State of `params_swa`: the averaged params and how many updates went in."""
+
     count: Tensor  # (), int64: updates averaged in (AveragedModel's n_averaged)
     params: Params  # the averaged params
 

@@ -31,6 +31,8 @@ def _check_max_norm(name: str, value: object) -> None:
 
 
 class ClipByGlobalNormState(NamedTuple):
+    """State of `clip_by_global_norm`: the last pre-clip global norm."""
+
     norm: Tensor  # (), float32 (float64 for float64 grads): the last pre-clip global norm
 
 
@@ -167,6 +169,8 @@ def adaptive_clip(clipping: float = 0.01, eps: float = 1e-3, *, axis: int | tupl
 
 
 class ClipByRunningNormState(NamedTuple):
+    """State of `clip_by_running_norm`: the EMA of past global norms."""
+
     count: Tensor  # (), int64: updates seen
     mu: Tensor  # (), float32/64: EMA of past post-clip global norms (not bias-corrected)
     norm: Tensor  # (), float32/64: this step's pre-clip global norm

@@ -100,6 +100,8 @@ def _sub_extra(extra: dict, spec: pytree.TreeSpec, keep: list[bool]) -> dict:
 
 
 class MaskedState(NamedTuple):
+    """State of `masked`: the inner state over the selected leaves."""
+
     inner_state: OptState
 
 
@@ -139,6 +141,8 @@ def masked(inner: Transform, mask: Any) -> Transform:
 
 
 class PartitionState(NamedTuple):
+    """State of `partition`: each label's inner state."""
+
     inner_states: dict[str, OptState]
 
 
@@ -202,6 +206,8 @@ def partition(transforms: Mapping[str, Transform], labels: Any) -> Transform:
 
 
 class InjectHyperparamsState(NamedTuple):
+    """State of `inject_hyperparams`: the hyperparameters in use and the inner state."""
+
     count: Tensor  # (), int64
     hyperparams: dict[str, Any]  # name -> 0-d float64 tensor (or a tuple of them)
     inner_state: OptState
@@ -319,6 +325,8 @@ def _select_tree(cond: Tensor, new: PyTree, old: PyTree) -> PyTree:
 
 
 class ApplyIfFiniteState(NamedTuple):
+    """State of `apply_if_finite`: skip counters and the inner state."""
+
     notfinite_count: Tensor  # (), int64: consecutive non-finite steps
     last_finite: Tensor  # (), bool
     total_notfinite: Tensor  # (), int64
@@ -353,6 +361,8 @@ def apply_if_finite(inner: Transform, max_consecutive: int | None = None) -> Tra
 
 
 class AccumulateState(NamedTuple):
+    """State of `accumulate`: the grads summed so far and the inner state."""
+
     mini_step: Tensor  # (), int64: grads accumulated since the last update
     acc_grads: PyTree
     inner_state: OptState

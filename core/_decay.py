@@ -27,6 +27,8 @@ from ._combine import masked
 
 
 class AddDecayedWeightsState(NamedTuple):
+    """State of `add_decayed_weights` with a scheduled weight decay."""
+
     count: Tensor  # (), int64: the schedule's step
 
 

@@ -13,6 +13,8 @@ from ._base import PyTree, is_static, leaf_device
 
 
 class DynamicLossScaleState(NamedTuple):
+    """State of `dynamic_loss_scale`: the scale and GradScaler's growth tracker."""
+
     scale: Tensor  # (), float32: the loss multiplier (GradScaler's _scale)
     growth_tracker: Tensor  # (), int64: finite steps since the scale last changed
 

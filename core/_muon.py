@@ -178,6 +178,8 @@ def check_muon_args(ns_steps: int, ns_coefficients: Coefficients, ns_dtype: Any,
 
 
 class ScaleByMuonState(NamedTuple):
+    """State of `scale_by_muon`: the momentum buffer."""
+
     count: Tensor  # (), int64
     mu: Params  # momentum buffer
 

@@ -52,6 +52,8 @@ def scale(factor: float | Tensor) -> Transform:
 
 
 class ScaleByLrState(NamedTuple):
+    """State of `scale_by_lr` with a scheduled lr."""
+
     count: Tensor  # (), int64: updates applied, the schedule's step
 
 
@@ -90,6 +92,8 @@ def scale_by_lr(lr: ScalarOrSchedule) -> Transform:
 
 
 class TraceState(NamedTuple):
+    """State of `trace`: the momentum buffer."""
+
     count: Tensor  # (), int64
     trace: Params
 
@@ -127,6 +131,8 @@ def trace(decay: ScalarOrSchedule, nesterov: bool = False, *, dampening: float |
 
 
 class ScaleByAdamState(NamedTuple):
+    """State of `scale_by_adam`: first and second moments."""
+
     count: Tensor  # (), int64
     mu: Params
     nu: Params
@@ -171,6 +177,8 @@ def scale_by_adam(
 
 
 class ScaleByLionState(NamedTuple):
+    """State of `scale_by_lion`: the momentum."""
+
     count: Tensor  # (), int64
     mu: Params
 

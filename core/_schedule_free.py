@@ -30,6 +30,8 @@ from ._base import (
 
 
 class ScheduleFreeState(NamedTuple):
+    """State of `schedule_free`: z, the averaging weights and the base state."""
+
     count: Tensor  # (), int64: updates applied
     b1: Tensor  # (), float64: the β₁ of the last update (x is recovered from y and z with it)
     weight_sum: Tensor  # (), float64: Σ of the averaging weights so far

@@ -29,6 +29,8 @@ from ._base import (
 
 
 class ScaleBySophiaState(NamedTuple):
+    """State of `scale_by_sophia`: the grad EMA and the curvature estimate."""
+
     count: Tensor  # (), int64
     mu: Params  # EMA of grads
     hessian: Params  # EMA of the curvature estimates, refreshed every `update_every` updates

@@ -117,6 +117,14 @@ class Checkpoint(NamedTuple):
 # --------------------------------------------------------------------------- #
 
 
+def _plain_data(config: Any, metadata: Any, data_state: Any) -> tuple[Any, Any, Any]:
+    """config, metadata and data_state as msgspec builtins (what the manifest stores)."""
+    try:
+        return msgspec.to_builtins(config), msgspec.to_builtins(metadata or {}), msgspec.to_builtins(data_state)
+    except TypeError as e:
+        raise ValueError(f"config, metadata and data_state must be msgspec-encodable plain data: {e}") from None
+
+
 def save_checkpoint(
     path: str | os.PathLike,
     *,
@@ -176,12 +184,7 @@ def save_checkpoint(
         groups["ema"] = _flat(ema, "ema")
     if rng:
         groups["rng"] = _rng_tensors()
-    try:
-        config_data = msgspec.to_builtins(config)
-        extras = msgspec.to_builtins(metadata or {})
-        data_data = msgspec.to_builtins(data_state)
-    except TypeError as e:
-        raise ValueError(f"config, metadata and data_state must be msgspec-encodable plain data: {e}") from None
+    config_data, extras, data_data = _plain_data(config, metadata, data_state)
 
     tmp = parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
@@ -257,12 +260,7 @@ def _save_dcp(final: Path, *, params: Any, opt_state: Any, ema: Any, step: int, 
     rank, size = _dist()
     parent = final.parent
     state = _dcp_state(params, opt_state, ema)
-    try:
-        config_data = msgspec.to_builtins(config)
-        extras = msgspec.to_builtins(metadata or {})
-        data_data = msgspec.to_builtins(data_state)
-    except TypeError as e:
-        raise ValueError(f"config, metadata and data_state must be msgspec-encodable plain data: {e}") from None
+    config_data, extras, data_data = _plain_data(config, metadata, data_state)
     # Every rank writes into the same temporary directory; rank 0 names it.
     tmp = _bcast(parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}" if rank == 0 else None)
     if rank == 0:

@@ -31,6 +31,7 @@ from ._combine import identity as identity
 from ._combine import inject_hyperparams as inject_hyperparams
 from ._combine import masked as masked
 from ._combine import partition as partition
+from ._combine import get_hyperparams as get_hyperparams
 from ._combine import set_hyperparam as set_hyperparam
 from ._decay import AddDecayedWeightsState as AddDecayedWeightsState
 from ._loss_scale import DynamicLossScaleState as DynamicLossScaleState
@@ -116,6 +117,7 @@ __all__ = [
     "masked",
     "partition",
     "inject_hyperparams",
+    "get_hyperparams",
     "set_hyperparam",
     "apply_if_finite",
     "accumulate",

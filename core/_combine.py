@@ -289,30 +289,62 @@ def _value(v: Any, count: Tensor, stored: Tensor | None) -> Tensor:
     return as_float64(v, count.device)
 
 
+def _injected(state: OptState) -> list[tuple[str, tuple, dict, str]]:
+    """Every injected hyperparameter as `(key, state path, its hyperparams dict, name)`;
+    `key` is the bare name, or `<path>.<name>` when several injected states hold it."""
+    found = [(path, hp, name) for path, hp in tr.find_all(state, "hyperparams") if isinstance(hp, dict) for name in hp]
+    counts: dict[str, int] = {}
+    for _, _, name in found:
+        counts[name] = counts.get(name, 0) + 1
+    return [
+        (name if counts[name] == 1 else f"{tr.path_str(path[:-1])}.{name}", path, hp, name) for path, hp, name in found
+    ]
+
+
+def get_hyperparams(state: OptState) -> dict[str, Any]:
+    """Every hyperparameter held by `inject_hyperparams` anywhere in `state`, by name.
+
+    Values are the 0-d tensors (or tuples of them) the last update used; nothing is
+    copied or synced. A name held by several injected states (a `partition` of two
+    injected optimizers) is qualified by its state path, `<path>.<name>`; `set_hyperparam`
+    takes the same keys.
+
+    Example:
+        >>> import torch, purestep.core as ps
+        >>> state = ps.inject_hyperparams(ps.adamw)(lr=1e-3).init({"w": torch.zeros(2)})
+        >>> sorted(ps.get_hyperparams(state)), ps.get_hyperparams(state)["lr"]
+        (['betas', 'eps', 'lr', 'weight_decay'], tensor(0.0010, dtype=torch.float64))
+    """
+    return {key: hp[name] for key, _, hp, name in _injected(state)}
+
+
 def set_hyperparam(state: OptState, name: str, value: Any) -> OptState:
     """A new state with the injected hyperparameter `name` set to `value`.
 
-    A hyperparameter that follows a schedule is overwritten by the schedule next step.
-    Raises `KeyError` when no (or more than one) injected state holds `name`.
+    `name` is a key of `get_hyperparams(state)`: the bare name, or `<path>.<name>` when
+    several injected states hold it. A hyperparameter that follows a schedule is
+    overwritten by the schedule next step. Raises `KeyError` naming the keys there are.
     """
-    found = [(path, hp) for path, hp in tr.find_all(state, "hyperparams") if isinstance(hp, dict) and name in hp]
-    if not found:
-        names = sorted({k for _, hp in tr.find_all(state, "hyperparams") if isinstance(hp, dict) for k in hp})
+    entries = _injected(state)
+    match = [(path, hp, leaf) for key, path, hp, leaf in entries if key == name]
+    if not match:
+        keys = sorted(key for key, *_ in entries)
+        ambiguous = [key for key in keys if key.endswith(f".{name}")]
+        if ambiguous:
+            raise KeyError(f"hyperparameter {name!r} is ambiguous: use one of {ambiguous}")
         raise KeyError(
-            f"no injected hyperparameter {name!r}; injected: {names or 'none'} "
+            f"no injected hyperparameter {name!r}; injected: {keys or 'none'} "
             "(build the optimizer with ps.inject_hyperparams(factory)(...))"
         )
-    if len(found) > 1:
-        raise KeyError(f"hyperparameter {name!r} is ambiguous: found under {[tr.path_str(p) for p, _ in found]}")
-    path, hp = found[0]
-    old = hp[name]
+    path, hp, leaf = match[0]
+    old = hp[leaf]
     if isinstance(old, tuple):
         if not isinstance(value, (tuple, list)) or len(value) != len(old):
             raise ValueError(f"{name} must be a tuple of {len(old)} values, got {value!r}")
         new = tuple(torch.as_tensor(v, dtype=o.dtype, device=o.device).clone() for v, o in zip(value, old))
     else:
         new = torch.as_tensor(value, dtype=old.dtype, device=old.device).clone()
-    return tr.replace_at(state, path, {**hp, name: new})
+    return tr.replace_at(state, path, {**hp, leaf: new})
 
 
 # --------------------------------------------------------------------------- #

@@ -104,7 +104,7 @@ NOT_TRANSFORMS = {
     "Transform", "EmptyState", "Schedule",
     "apply_updates", "apply_updates_", "tree_get", "tree_set", "tree_map_with_path",
     "tree_flatten_with_path", "tree_unflatten", "tree_paths", "tree_zeros_like",
-    "tree_global_norm", "tree_cast", "set_hyperparam",
+    "tree_global_norm", "tree_cast", "set_hyperparam", "get_hyperparams",
     "MaskedState", "PartitionState", "InjectHyperparamsState", "ApplyIfFiniteState",
     "AccumulateState", "ScaleByLrState", "TraceState", "ScaleByAdamState",
     "ScaleByLionState", "AddDecayedWeightsState",

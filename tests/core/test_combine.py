@@ -219,3 +219,19 @@ def test_combinators_route_extra_keyword_trees_like_the_grads():
     opt = ps.masked(probe, {k: "bias" in k for k in params})
     opt.update(params, opt.init(params), params, curvature=params, unknown_flag=True)
     assert seen["keys"] == ["layers.0.bias"]
+
+
+def test_get_hyperparams_qualifies_only_ambiguous_names_and_set_hyperparam_takes_those_keys():
+    opt = ps.partition(
+        {"a": ps.inject_hyperparams(ps.adamw)(lr=1e-3), "b": ps.inject_hyperparams(ps.sgd)(lr=0.1)},
+        {"w": "a", "b": "b"},
+    )
+    state = opt.init({"w": torch.zeros(2), "b": torch.zeros(1)})
+    hp = ps.get_hyperparams(state)
+    assert "betas" in hp and "momentum" in hp and "lr" not in hp
+    assert float(hp["inner_states.a.lr"]) == 1e-3 and float(hp["inner_states.b.lr"]) == 0.1
+    with pytest.raises(KeyError, match="ambiguous.*inner_states.a.lr"):
+        ps.set_hyperparam(state, "lr", 1.0)
+    state = ps.set_hyperparam(state, "inner_states.b.lr", 0.5)
+    assert float(ps.get_hyperparams(state)["inner_states.b.lr"]) == 0.5
+    assert float(ps.get_hyperparams(state)["inner_states.a.lr"]) == 1e-3

@@ -8,6 +8,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from . import _flat
 from . import _tree as tr
 from ._base import EmptyState, Params, Transform, check_hyperparam, check_positive, is_static, leaf_device, zero_count
 
@@ -155,6 +156,7 @@ def adaptive_clip(clipping: float = 0.01, eps: float = 1e-3, *, axis: int | tupl
     def update(grads, state, params=None, **extra):
         if params is None:
             raise ValueError("adaptive_clip needs params: call update(grads, state, params)")
+        _flat.need_whole_leaves(grads)  # per-leaf norms: each leaf alone under flat buffers
         ps_ = tr.check_match(params, grads, "params", "grads", dtype=False)
         gs, spec = pytree.tree_flatten(grads)
         out = []

@@ -9,6 +9,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from . import _flat
 from . import _tree as tr
 from ._base import EmptyState, OptState, Params, PyTree, Transform, as_float64, leaf_device, resolve, zero_count
 
@@ -67,6 +68,8 @@ def chain(*transforms: Transform) -> Transform:
 
 def _leaf_tags(spec_tree: Any, tree: PyTree, what: str, kind: type) -> list:
     """Flatten a bool/str tree (or `callable(tree)`) that must match `tree` leaf for leaf."""
+    if _flat.is_packed(tree):  # flat buffers: the rule is read on the packed leaves, one value per buffer
+        return _flat.rule_per_group(tree, spec_tree, lambda proxy: _leaf_tags(spec_tree, proxy, what, kind))
     if callable(spec_tree):
         spec_tree = spec_tree(tree)
     leaves, spec = pytree.tree_flatten(tree)
@@ -85,6 +88,8 @@ def _leaf_tags(spec_tree: Any, tree: PyTree, what: str, kind: type) -> list:
 
 
 def _subtree(tree: PyTree, keep: list[bool]) -> dict[str, Any]:
+    if _flat.is_packed(tree):
+        return tree.select(keep)
     pairs, _ = tr.tree_flatten_with_path(tree)
     return {p: x for (p, x), k in zip(pairs, keep) if k}
 

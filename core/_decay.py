@@ -9,6 +9,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from . import _flat
 from . import _tree as tr
 from ._base import (
     EmptyState,
@@ -168,6 +169,20 @@ def layerwise_lr_decay(params: Params, decay: float) -> PyTree:
     return tr.tree_map_with_path(rule, params)
 
 
+def _multipliers_per_leaf(multipliers: Any, tree: PyTree) -> list:
+    ms = multipliers(tree) if callable(multipliers) else multipliers
+    leaves, spec = pytree.tree_flatten(tree)
+    if is_static(ms):
+        return [float(ms)] * len(leaves)
+    factors, m_spec = pytree.tree_flatten(ms)
+    if m_spec != spec:
+        raise ValueError(
+            f"multipliers must have the structure of the grads ({len(leaves)} leaves: "
+            f"{', '.join(tr.tree_paths(tree)[:4])}...), got {len(factors)} leaves"
+        )
+    return factors
+
+
 def scale_per_leaf(multipliers: Any) -> Transform:
     """Multiply each leaf's update by its own constant multiplier (LLRD, μP-style width scaling).
 
@@ -197,16 +212,10 @@ def scale_per_leaf(multipliers: Any) -> Transform:
 
     def update(grads, state, params=None, **extra):
         gs, spec = pytree.tree_flatten(grads)
-        ms = multipliers(grads) if callable(multipliers) else multipliers
-        if is_static(ms):
-            factors = [float(ms)] * len(gs)
+        if _flat.is_packed(grads):  # flat buffers: the multipliers are read on the packed leaves
+            factors = _flat.rule_per_group(grads, multipliers, lambda proxy: _multipliers_per_leaf(multipliers, proxy))
         else:
-            factors, m_spec = pytree.tree_flatten(ms)
-            if m_spec != spec:
-                raise ValueError(
-                    f"multipliers must have the structure of the grads ({len(gs)} leaves: "
-                    f"{', '.join(tr.tree_paths(grads)[:4])}...), got {len(factors)} leaves"
-                )
+            factors = _multipliers_per_leaf(multipliers, grads)
         if tr.use_foreach(gs) and all(is_static(f) for f in factors):
             out = list(torch._foreach_mul(gs, [float(f) for f in factors]))
         else:

@@ -13,6 +13,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from . import _flat
 from . import _tree as tr
 from ._base import Params, PyTree, ScalarOrSchedule, Transform, check_hyperparam, check_nonnegative, check_positive, leaf_device, resolve, zero_count
 
@@ -220,6 +221,7 @@ def scale_by_muon(
     cpu_bf16 = ns_dtype != torch.bfloat16 or CPU_BF16_MATMUL
 
     def init(params: Params) -> ScaleByMuonState:
+        _flat.need_whole_leaves(params)  # per-matrix math: each matrix alone under flat buffers
         _check_matrices(params, "params")
         leaves = pytree.tree_leaves(params)
         return ScaleByMuonState(zero_count(leaf_device(leaves)), tr.tree_zeros_like(params))

@@ -11,6 +11,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from . import _flat
 from . import _tree as tr
 from ._base import (
     EmptyState,
@@ -214,6 +215,7 @@ def scale_by_trust_ratio(*, min_norm: float = 0.0, trust_coefficient: float = 1.
     def update(grads, state, params=None, **extra):
         if params is None:
             raise ValueError("scale_by_trust_ratio needs params: call update(grads, state, params)")
+        _flat.need_whole_leaves(grads)  # per-leaf norms: each leaf alone under flat buffers
         ps_ = tr.check_match(params, grads, "params", "grads", dtype=False)
         us, spec = pytree.tree_flatten(grads)
         p_norm = [torch.clamp(n, min=min_norm) for n in tr.norms(ps_)]

@@ -14,6 +14,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from . import _flat
 from . import _tree as tr
 from ._base import OptState, Params, PyTree, Transform
 
@@ -49,7 +50,10 @@ def functional_model(module: torch.nn.Module) -> tuple[Callable[..., tuple[Any, 
     """
     if not isinstance(module, torch.nn.Module):
         raise ValueError(f"functional_model needs a torch.nn.Module, got {type(module).__name__}")
-    params = {name: p.detach() for name, p in module.named_parameters()}
+    params = {}
+    for name, p in module.named_parameters():
+        params[name] = p.detach()
+        params[name]._purestep_source = p  # a flat-buffer step re-points the module's own Parameter too
     buffers = {name: b.detach() for name, b in module.named_buffers()}
 
     def apply_fn(params: dict, buffers: dict, *args: Any, **kwargs: Any) -> tuple[Any, dict]:
@@ -116,10 +120,19 @@ def _lr_metric(opt_state: OptState) -> Tensor | None:
 # loop; realizing any reused expression of more than a few ops computes it once instead
 # (on CPU an inlined `pow` per vector made the AdamW step ~10x slower).
 _INDUCTOR_OPTIONS = {"realize_opcount_threshold": 4}
+# Per device type, for the flat-buffer path (CUDA keeps inductor's defaults: the scalar
+# math runs once per buffer there, and the step is replayed as one CUDA graph).
+_FLAT_OPTIONS = {"cpu": _INDUCTOR_OPTIONS, "cuda": {}}
 
 
 def _maybe_compile(fn: Callable, compile: bool) -> Callable:
     return torch.compile(fn, fullgraph=True, options=_INDUCTOR_OPTIONS) if compile else fn
+
+
+def _plain_leaves(tree: PyTree) -> bool:
+    """Leaves the flat layout can re-point: dense tensors (Parameters too), not subclasses such as DTensor."""
+    leaves = pytree.tree_leaves(tree)
+    return bool(leaves) and all(type(x) in (Tensor, torch.nn.Parameter) and x.layout == torch.strided for x in leaves)
 
 
 # --------------------------------------------------------------------------- #
@@ -128,7 +141,7 @@ def _maybe_compile(fn: Callable, compile: bool) -> Callable:
 
 
 def make_update(
-    optimizer: Transform, *, compile: bool = False, donate: bool = False, ema: Any = None
+    optimizer: Transform, *, compile: bool = False, donate: bool = False, ema: Any = None, flat: bool = True
 ) -> Callable[..., tuple]:
     """The optimizer half of a step, for gradients from `loss.backward()`.
 
@@ -145,6 +158,28 @@ def make_update(
       donate: write the results into the input tensors and return the input trees
         (they alias); the grads are only read. Without it the update is pure.
       ema: an `(init, update)` averaging pair such as `ps.params_ema(0.999)`, or None.
+      flat: with `compile=True, donate=True`, run over flat buffers (below); False keeps
+        one kernel per leaf.
+
+    Flat buffers (`compile=True, donate=True, flat=True`): on the first call the params,
+    the optimizer state (and EMA) move into one contiguous buffer per group of leaves
+    that share device, dtype and the transform's per-leaf rules (mask values, partition
+    labels, `scale_per_leaf` multipliers; a leaf that needs per-leaf math, as Muon's
+    matrices and trust ratios, is a group alone), and the compiled update runs on those
+    buffers: kernels and compile time grow with the number of groups, not of tensors. On
+    CUDA the step is then replayed as one CUDA graph. The tensors you passed stay the
+    same objects holding the same values, re-pointed (`Tensor.set_`) into the buffers:
+
+    - update params and state in place (`p.copy_(...)`, `load_state_dict`), or pass new
+      trees: a new state tree (a loaded checkpoint, `set_hyperparam`) or a param whose
+      storage changed is copied into the buffers on the next call;
+    - another tensor that shares a param's old storage (a `.detach()` taken before the
+      first call) keeps the old values; take it after, or from `functional_model`;
+    - grads are copied into a flat grad buffer and the grad tensors passed are re-pointed
+      into it, so a `loss.backward()` after `zero_grad(set_to_none=False)` writes there
+      directly and the next call copies nothing;
+    - leaves that are not plain dense tensors (DTensor under FSDP2) keep the per-leaf
+      path, as do transforms whose state is not shaped like the params.
 
     Example:
         >>> import torch, purestep.core as ps
@@ -174,16 +209,27 @@ def make_update(
             _copy_into(ema_state, out[2], "ema_state")
 
     inner = _maybe_compile(in_place if donate else pure, compile)
+    packed = _flat.FlatUpdate(optimizer, pure, averaging, _FLAT_OPTIONS) if compile and donate and flat else None
 
     def update(params: Params, grads: PyTree, opt_state: OptState, *ema_state: Any) -> tuple:
+        nonlocal packed
         if len(ema_state) != (averaging is not None):
             want = "(params, grads, opt_state, ema_state)" if averaging else "(params, grads, opt_state)"
             raise TypeError(f"update takes {want}; got {3 + len(ema_state)} arguments")
         if not donate:
             return inner(params, grads, opt_state, *ema_state)
-        inner(params, grads, opt_state, *ema_state)
+        if packed is not None and packed.bound is None:
+            tr.check_match(grads, params, "grads", "params")
+            if not _plain_leaves(params) or not packed.plans(params):
+                packed = None  # this transform or these leaves stay on the per-leaf path
+        (packed or inner)(params, grads, opt_state, *ema_state)
         return (params, opt_state, *ema_state)
 
+    def layout() -> dict[str, list[str]] | None:
+        """The flat buffers in use: `{buffer: [leaf paths]}`, or None on the per-leaf path."""
+        return None if packed is None or packed.bound is None else packed.layout()
+
+    update.layout = layout
     return update
 
 

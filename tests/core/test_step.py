@@ -332,15 +332,15 @@ def test_compiled_donated_update_with_clip_and_ema_equals_eager_and_never_recomp
     eager = ps.make_update(opt, ema=ema)
     p, s, e = clone(params), opt.init(params), ema.init(params)
     p_ref, s_ref, e_ref = clone(params), opt.init(params), ema.init(params)
-    ptrs = [t.data_ptr() for t in pytree.tree_leaves((p, s, e))]
     for i in range(4):
         grads = pytree.tree_map(lambda t: torch.randn_like(t) * 3, params)
         if i == 2:
             s, s_ref = ps.set_hyperparam(s, "lr", 3e-2), ps.set_hyperparam(s_ref, "lr", 3e-2)
-            ptrs = [t.data_ptr() for t in pytree.tree_leaves((p, s, e))]
         with torch.compiler.set_stance("fail_on_recompile" if i else "default"):
             out = compiled(p, grads, s, e)
         assert out[0] is p and out[1] is s and out[2] is e
+        if i in (0, 2):  # the first call (and a new state tree) moves the tensors into flat buffers, once
+            ptrs = [t.data_ptr() for t in pytree.tree_leaves((p, s, e))]
         p_ref, s_ref, e_ref = eager(p_ref, grads, s_ref, e_ref)
     assert [t.data_ptr() for t in pytree.tree_leaves((p, s, e))] == ptrs
     assert_trees_close((p, s, e), (p_ref, s_ref, e_ref), rtol=1e-5, atol=1e-6)

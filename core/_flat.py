@@ -1,0 +1,422 @@
+"""Flat buffers for compiled, donated updates: many leaves, a few contiguous buffers.
+
+A compiled optimizer over a list of 100 tensors runs 100 kernels (and 100 OpenMP
+regions on CPU) and compiles a graph that grows with the tensor count. Elementwise
+math does not care where one tensor ends and the next begins, so `make_update` with
+`compile=True, donate=True` lays params, grads and state out in one flat buffer per
+*group* and runs the transform on those buffers as if each were one leaf:
+
+    group = the leaves that share device, dtype and every per-leaf rule of the transform
+            (mask values, partition labels, per-leaf multipliers); a leaf that needs
+            per-leaf math (Muon's orthogonalization, trust ratios, AGC) is a group alone
+
+The transform sees a `Packed` tree: a dict `group key -> buffer` that also records which
+leaves each buffer holds, so `masked`, `partition` and `scale_per_leaf` resolve their
+per-leaf rules on the original leaf names and shapes, and ask for a finer grouping when a
+group is not uniform (`Regroup`). The grouping is planned once, by running `init` and
+`update` on tiny stand-in tensors until no rule asks for a split.
+
+The user's tensors (params, state, grads) are re-pointed (`Tensor.set_`) to views into
+the buffers, so the trees the user holds, checkpoints and reads stay the same objects
+with the same values; only their storage moved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from . import _tree as tr
+
+
+# --------------------------------------------------------------------------- #
+# The packed tree.
+# --------------------------------------------------------------------------- #
+
+
+@dataclasses.dataclass(frozen=True)
+class _Member:
+    index: int  # position among the params' leaves (flatten order)
+    path: str
+    shape: torch.Size
+    offset: int  # in elements, within its group's buffer
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    key: str
+    members: tuple[_Member, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def numel(self) -> int:
+        return sum(m.numel for m in self.members)
+
+    @property
+    def shape(self) -> torch.Size:
+        """The shape the transform sees: a lone leaf keeps its own, a buffer of several is 1-D."""
+        return self.members[0].shape if len(self.members) == 1 else torch.Size([self.numel])
+
+    def views(self, buffer: Tensor) -> list[Tensor]:
+        """Each member's view into `buffer` (a tensor of this group's shape)."""
+        if len(self.members) == 1:
+            return [buffer]
+        flat = buffer.reshape(-1)
+        return [flat[m.offset : m.offset + m.numel].view(m.shape) for m in self.members]
+
+
+class PackSpec:
+    """What a `Packed` node holds: its groups and the structure of the leaves they pack.
+
+    Compared by value (group keys and member paths), so trees packed from the same
+    layout (params, grads, state entries) have equal pytree specs."""
+
+    def __init__(self, groups: Sequence[_Group], orig_spec: pytree.TreeSpec, proxy: Sequence[Tensor]) -> None:
+        self.groups = tuple(groups)
+        self.orig_spec = orig_spec  # structure of the unpacked leaves, in `members_in_order`
+        self.members_in_order = tuple(sorted((m for g in self.groups for m in g.members), key=lambda m: m.index))
+        self.proxy = tuple(proxy)  # meta tensors like the unpacked leaves, in the same order
+        self._sig = (tuple(g.key for g in self.groups), tuple(m.path for m in self.members_in_order))
+        # Per-leaf rules resolved once, eagerly while planning: traced steps only look them up.
+        self.resolved: dict[Any, Any] = {}
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PackSpec) and self._sig == other._sig
+
+    def __hash__(self) -> int:
+        return hash(self._sig)
+
+    def __repr__(self) -> str:
+        return f"PackSpec({len(self.groups)} groups of {len(self.members_in_order)} leaves)"
+
+
+class Packed(dict):
+    """`group key -> tensor`, a pytree node that remembers the leaves each tensor packs."""
+
+    def __init__(self, spec: PackSpec, values: Sequence[Any]) -> None:
+        super().__init__(zip((g.key for g in spec.groups), values))
+        self.pack_spec = spec
+
+    def proxy(self) -> Any:
+        """The unpacked tree as meta tensors: what per-leaf rules are evaluated on."""
+        return pytree.tree_unflatten(list(self.pack_spec.proxy), self.pack_spec.orig_spec)
+
+    def select(self, keep: Sequence[bool]) -> "Packed":
+        """The groups where `keep` is True, as the packed form of `{path: leaf}` of their leaves."""
+        parent = self.pack_spec
+
+        def sub_spec() -> PackSpec:
+            groups = [g for g, k in zip(parent.groups, keep) if k]
+            members = sorted((m for g in groups for m in g.members), key=lambda m: m.index)
+            by_index = dict(zip((m.index for m in parent.members_in_order), parent.proxy))
+            spec = pytree.tree_structure({m.path: 0 for m in members})
+            return PackSpec(groups, spec, [by_index[m.index] for m in members])
+
+        spec = resolved(self, ("select", tuple(keep)), sub_spec)
+        return Packed(spec, [v for v, k in zip(self.values(), keep) if k])
+
+    def unpack(self) -> Any:
+        """The unpacked tree, each leaf a view into its group's tensor."""
+        views: dict[int, Tensor] = {}
+        for group, value in zip(self.pack_spec.groups, self.values()):
+            if not isinstance(value, Tensor) or value.shape != group.shape:
+                raise Regroup.unsupported(f"a state entry of shape {getattr(value, 'shape', value)} per packed group")
+            views.update((m.index, v) for m, v in zip(group.members, group.views(value)))
+        return pytree.tree_unflatten([views[m.index] for m in self.pack_spec.members_in_order], self.pack_spec.orig_spec)
+
+
+pytree.register_pytree_node(
+    Packed,
+    lambda p: (list(p.values()), p.pack_spec),
+    lambda values, spec: Packed(spec, values),
+    serialized_type_name="purestep.Packed",
+    flatten_with_keys_fn=lambda p: ([(pytree.MappingKey(k), v) for k, v in p.items()], p.pack_spec),
+)
+
+
+def is_packed(tree: Any) -> bool:
+    return isinstance(tree, Packed)
+
+
+class Regroup(Exception):
+    """Raised while planning: a per-leaf rule needs leaves told apart.
+
+    `tags` maps a leaf's index to a hashable tag; leaves of one group must share tags.
+    `reason` set instead means the transform cannot run on packed buffers at all."""
+
+    def __init__(self, tags: dict[int, Any] | None = None, reason: str | None = None) -> None:
+        super().__init__(reason or "regroup")
+        self.tags, self.reason = tags or {}, reason
+
+    @classmethod
+    def unsupported(cls, reason: str) -> "Regroup":
+        return cls(reason=reason)
+
+
+def resolved(packed: Packed, key: Any, compute: Callable[[], Any]) -> Any:
+    """`compute()`, once per packed spec and `key` (a per-leaf rule's identity)."""
+    cache = packed.pack_spec.resolved
+    if key not in cache:
+        cache[key] = compute()
+    return cache[key]
+
+
+def rule_per_group(packed: Packed, rule: Any, per_leaf: Callable[[Any], list[Any]]) -> list[Any]:
+    """One value per group of a per-leaf `rule` (a mask, labels, multipliers), where
+    `per_leaf(unpacked meta tree)` gives its values leaf by leaf."""
+    return resolved(packed, ("rule", id(rule)), lambda: group_values(packed, per_leaf(packed.proxy())))
+
+
+def group_values(packed: Packed, per_leaf: list[Any]) -> list[Any]:
+    """One value per group from one value per unpacked leaf (in `members_in_order`);
+    raises `Regroup` when a group's leaves disagree."""
+    members = packed.pack_spec.members_in_order
+    value_of = {m.index: v for m, v in zip(members, per_leaf)}
+    out = []
+    for group in packed.pack_spec.groups:
+        values = [value_of[m.index] for m in group.members]
+        if any(not _same(values[0], v) for v in values[1:]):
+            raise Regroup({m.index: _tag(v) for m, v in zip(members, per_leaf)})
+        out.append(values[0])
+    return out
+
+
+def _tag(value: Any) -> Any:
+    return ("tensor", id(value)) if isinstance(value, Tensor) else value
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return a is b
+    return a == b
+
+
+def need_whole_leaves(tree: Any) -> None:
+    """Called by transforms with per-leaf math (norms, matrix functions) on their input:
+    under a packed layout every leaf they see must be a group of its own."""
+    if isinstance(tree, Packed) and any(len(g.members) > 1 for g in tree.pack_spec.groups):
+        raise Regroup({m.index: ("alone", m.index) for m in tree.pack_spec.members_in_order})
+
+
+# --------------------------------------------------------------------------- #
+# Planning a layout.
+# --------------------------------------------------------------------------- #
+
+
+def _layout(leaves: list[tuple[str, Tensor]], tags: list[tuple]) -> list[_Group]:
+    keys: dict[tuple, list[int]] = {}
+    for i, (_, leaf) in enumerate(leaves):
+        keys.setdefault((str(leaf.device), str(leaf.dtype), tags[i]), []).append(i)
+    groups = []
+    for n, (key, indices) in enumerate(keys.items()):
+        # Same-shape leaves side by side: a later batched path can view a run as (k, *shape).
+        indices = sorted(indices, key=lambda i: (tuple(leaves[i][1].shape), i))
+        members, offset = [], 0
+        for i in indices:
+            path, leaf = leaves[i]
+            members.append(_Member(i, path, leaf.shape, offset))
+            offset += leaf.numel()
+        first = leaves[indices[0]][1]
+        groups.append(_Group(f"group{n}", tuple(members), first.dtype, first.device))
+    return groups
+
+
+def plan(transform: Any, params: Any, *, max_rounds: int = 8) -> PackSpec:
+    """The grouping of `params`' leaves under which `transform` runs on packed buffers.
+
+    Runs `init` and one `update` on tiny stand-ins; each `Regroup` refines the tags.
+    Raises `Regroup` with a `reason` when the transform cannot run packed."""
+    pairs, spec = tr.tree_flatten_with_path(params)
+    leaves = [(p, x) for p, x in pairs]
+    tags: list[tuple] = [() for _ in leaves]
+    meta = [torch.empty(x.shape, dtype=x.dtype, device="meta") for _, x in leaves]
+    for _ in range(max_rounds):
+        groups = _layout(leaves, tags)
+        pack = PackSpec(groups, spec, meta)
+        # Tiny CPU stand-ins (rank kept for lone leaves): the dry run only has to reach the
+        # rules that ask for a split, and meta tensors cannot run every kernel.
+        fake = Packed(pack, [torch.zeros((1,) * len(g.shape), dtype=g.dtype) for g in groups])
+        try:
+            state = transform.init(fake)
+            transform.update(fake, state, fake)
+            return pack
+        except Regroup as e:
+            if e.reason is not None or not e.tags:
+                raise
+            tags = [t + (e.tags.get(i),) for i, t in enumerate(tags)]
+    raise Regroup.unsupported(f"no stable grouping after {max_rounds} rounds")
+
+
+# --------------------------------------------------------------------------- #
+# Binding user trees to buffers.
+# --------------------------------------------------------------------------- #
+
+
+def repoint_(user: Tensor, view: Tensor, what: str) -> None:
+    """Copy `user`'s values into `view`, then make `user` a view of the same memory."""
+    if user.shape != view.shape or user.dtype != view.dtype or user.device != view.device:
+        raise ValueError(
+            f"{what}: expected {tuple(view.shape)} {view.dtype} on {view.device}, got "
+            f"{tuple(user.shape)} {user.dtype} on {user.device}"
+        )
+    if aliases(user, view):
+        return
+    with torch.no_grad():
+        view.copy_(user)
+        user.set_(view)
+        source = getattr(user, "_purestep_source", None)  # functional_model's detached alias of a Parameter
+        if isinstance(source, Tensor) and source.shape == view.shape:
+            source.set_(view)
+
+
+def aliases(a: Tensor, b: Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+
+
+def bind_tree(user_tree: Any, packed_tree: Any, what: str) -> None:
+    """Point every tensor of `user_tree` into the matching memory of `packed_tree`."""
+    unpacked = pytree.tree_map(lambda x: x.unpack() if is_packed(x) else x, packed_tree, is_leaf=is_packed)
+    mine, spec = tr.tree_flatten_with_path(unpacked)
+    theirs, user_spec = tr.tree_flatten_with_path(user_tree)
+    if spec != user_spec:
+        raise ValueError(
+            f"{what} is not structured like the optimizer's state for these params "
+            f"(was it built by this optimizer's init?)"
+        )
+    for (path, view), (_, user) in zip(mine, theirs):
+        if isinstance(view, Tensor):
+            if not isinstance(user, Tensor):
+                raise ValueError(f"{what} leaf '{path}' is {type(user).__name__}, expected a tensor")
+            repoint_(user, view, f"{what} leaf '{path}'")
+
+
+class FlatUpdate:
+    """A compiled, donated update over packed buffers (see the module docstring).
+
+    `__call__(params, grads, opt_state[, ema_state])` updates the user's trees in place.
+    Built by `make_update` when `compile=True, donate=True`; `pure` is the update as a
+    pure function of trees, `averaging` an optional `(init, update)` pair."""
+
+    def __init__(self, transform: Any, pure: Callable, averaging: Any, options: dict) -> None:
+        self.transform, self.pure, self.averaging, self.options = transform, pure, averaging, options
+        self.bound: dict[str, Any] | None = None
+
+    def layout(self) -> dict[str, list[str]]:
+        return {g.key: [m.path for m in g.members] for g in self.bound["groups"]}
+
+    # -- binding -------------------------------------------------------------
+    def plans(self, params: Any) -> bool:
+        """Whether the transform runs on packed buffers for these params."""
+        try:
+            plan(self.transform, params)
+            return True
+        except Regroup:
+            return False
+
+    def _bind(self, params: Any, opt_state: Any, ema_state: Any) -> None:
+        pack = plan(self.transform, params)
+        groups, spec = pack.groups, pack.orig_spec
+        pairs, _ = tr.tree_flatten_with_path(params)
+        p_buf = [torch.empty(g.shape, dtype=g.dtype, device=g.device) for g in groups]
+        g_buf = [torch.zeros(g.shape, dtype=g.dtype, device=g.device) for g in groups]
+        packed_params, packed_grads = Packed(pack, p_buf), Packed(pack, g_buf)
+        bind_tree(params, packed_params, "params")
+        with torch.no_grad():
+            packed_state = self.transform.init(packed_params)
+            packed_ema = self.averaging[0](packed_params) if self.averaging is not None else None
+        bind_tree(opt_state, packed_state, "opt_state")
+        if self.averaging is not None:
+            bind_tree(ema_state, packed_ema, "ema_state")
+        trees = (packed_params, packed_grads, packed_state, packed_ema)
+        flat = [pytree.tree_flatten(t) for t in trees]
+        g_views = [v for g, b in zip(groups, g_buf) for v in g.views(b)]
+        order = [m.index for g in groups for m in g.members]
+        self.bound = {
+            "groups": groups,
+            "specs": [s for _, s in flat],
+            "buffers": [leaves for leaves, _ in flat],
+            "grad_views": [g_views[order.index(i)] for i in range(len(order))],
+            "params": [x for _, x in pairs],
+            "param_spec": spec,
+            "param_ptrs": [x.data_ptr() for _, x in pairs],
+            "state": opt_state,
+            "ema": ema_state,
+            "keys": list(params) if type(params) is dict else None,
+            "fn": self._compile([s for _, s in flat], groups[0].device if groups else torch.device("cpu")),
+            "calls": 0,
+            "graph": None,
+        }
+
+    def _compile(self, specs: list[pytree.TreeSpec], device: torch.device) -> Callable:
+        pure, averaging = self.pure, self.averaging
+
+        def step(p, g, s, e):
+            trees = [pytree.tree_unflatten(x, sp) for x, sp in zip((p, g, s, e), specs)]
+            out = pure(trees[0], trees[1], trees[2], trees[3] if averaging is not None else None)
+            for dst, src in zip((p, s, e), out):
+                new = pytree.tree_leaves(src)
+                pairs = [(d, n) for d, n in zip(dst, new) if isinstance(d, Tensor) and d is not n]
+                if pairs:
+                    torch._foreach_copy_([d for d, _ in pairs], [n for _, n in pairs])
+
+        return torch.compile(step, fullgraph=True, options=self.options.get(device.type, {}))
+
+    def _grads_in(self, grads: Any) -> None:
+        views, keys = self.bound["grad_views"], self.bound["keys"]
+        if keys is not None and type(grads) is dict and list(grads) == keys:
+            leaves = list(grads.values())
+        else:
+            leaves = tr.check_match(grads, pytree.tree_unflatten(self.bound["params"], self.bound["param_spec"]))
+        stale = [(v, g) for v, g in zip(views, leaves) if g.data_ptr() != v.data_ptr() or g.shape != v.shape]
+        for v, g in stale:
+            # One copy into the flat grad buffer; the grad tensor then views it, so a
+            # `loss.backward()` after `zero_grad(set_to_none=False)` writes there directly.
+            repoint_(g, v, "grads")
+
+    def _params_moved(self, params: Any) -> bool:
+        leaves = list(params.values()) if type(params) is dict else pytree.tree_leaves(params)
+        b = self.bound
+        return len(leaves) != len(b["params"]) or any(
+            x is not y or x.data_ptr() != ptr for x, y, ptr in zip(leaves, b["params"], b["param_ptrs"])
+        )
+
+    # -- the step --------------------------------------------------------------
+    def __call__(self, params: Any, grads: Any, opt_state: Any, ema_state: Any = None) -> None:
+        b = self.bound
+        if b is None or self._params_moved(params):
+            self._bind(params, opt_state, ema_state)
+            b = self.bound
+        if opt_state is not b["state"]:
+            bind_tree(opt_state, pytree.tree_unflatten(b["buffers"][2], b["specs"][2]), "opt_state")
+            b["state"] = opt_state
+        if self.averaging is not None and ema_state is not b["ema"]:
+            bind_tree(ema_state, pytree.tree_unflatten(b["buffers"][3], b["specs"][3]), "ema_state")
+            b["ema"] = ema_state
+        self._grads_in(grads)
+        args = b["buffers"]
+        cuda = args[0] and args[0][0].is_cuda
+        if not cuda:
+            b["fn"](*args)
+            return
+        if b["graph"] is not None:
+            b["graph"].replay()
+            return
+        b["calls"] += 1
+        if b["calls"] < 2:  # compile and warm up outside a graph
+            b["fn"](*args)
+            return
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            b["fn"](*args)
+        b["graph"] = graph
+        graph.replay()

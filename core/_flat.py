@@ -24,6 +24,7 @@ with the same values; only their storage moved.
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Any, Callable, Sequence
 
 import torch
@@ -247,13 +248,23 @@ def plan(transform: Any, params: Any, *, max_rounds: int = 8) -> PackSpec:
         fake = Packed(pack, [torch.zeros((1,) * len(g.shape), dtype=g.dtype) for g in groups])
         try:
             state = transform.init(fake)
-            transform.update(fake, state, fake)
+            _, state = transform.update(fake, state, fake)
+            _check_viewable(state, fake)
             return pack
         except Regroup as e:
             if e.reason is not None or not e.tags:
                 raise
             tags = [t + (e.tags.get(i),) for i, t in enumerate(tags)]
     raise Regroup.unsupported(f"no stable grouping after {max_rounds} rounds")
+
+
+def _check_viewable(state: Any, fake: Packed) -> None:
+    """Every packed entry of `state` must be shaped like the params, so that each leaf's
+    part can be a view (a per-leaf scalar, say, is not)."""
+    shapes = {g.key: v.shape for g, v in zip(fake.pack_spec.groups, fake.values())}
+    for node in pytree.tree_leaves(state, is_leaf=is_packed):
+        if is_packed(node) and any(getattr(v, "shape", None) != shapes[k] for k, v in node.items()):
+            raise Regroup.unsupported("the state holds per-leaf entries that are not shaped like the params")
 
 
 # --------------------------------------------------------------------------- #
@@ -368,7 +379,10 @@ class FlatUpdate:
                 if pairs:
                     torch._foreach_copy_([d for d, _ in pairs], [n for _, n in pairs])
 
-        return torch.compile(step, fullgraph=True, options=self.options.get(device.type, {}))
+        # Dynamo keeps compiled graphs per code object (8 at most): each update is its own
+        # program, so it gets its own code object rather than evicting the others'.
+        own = types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__, None, step.__closure__)
+        return torch.compile(own, fullgraph=True, options=self.options.get(device.type, {}))
 
     def _grads_in(self, grads: Any) -> None:
         views, keys = self.bound["grad_views"], self.bound["keys"]

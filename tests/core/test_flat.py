@@ -1,0 +1,176 @@
+"""Flat buffers under make_update(compile=True, donate=True): same numbers as the pure
+update, groups that follow the transform's per-leaf rules, re-pointed user trees, and
+kernels that do not grow with the tensor count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+import purestep.core as ps
+
+from .test_step import assert_trees_close
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _tree(n: int, seed: int, device: str = "cpu", dtype=torch.float64) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(7, 5), (5,), (3, 4, 2), (7, 5), (1,)] * n
+    return {
+        (f"layers.{i}.w" if len(s) > 1 else f"layers.{i}.bias"): torch.randn(s, generator=g, dtype=dtype).to(device)
+        for i, s in enumerate(shapes)
+    }
+
+
+def _run(opt, n_steps: int = 5, device: str = "cpu", dtype=torch.float64, ema=None, every=None):
+    """The compiled flat update against the eager pure one, step by step."""
+    p_ref, p = _tree(2, 0, device, dtype), _tree(2, 0, device, dtype)
+    s_ref, s = opt.init(p_ref), opt.init(p)
+    e_ref, e = (ema.init(p_ref), ema.init(p)) if ema else ((), ())
+    e_ref, e = (e_ref,) if ema else (), (e,) if ema else ()
+    ref = ps.make_update(opt, ema=ema)
+    fast = ps.make_update(opt, ema=ema, compile=True, donate=True)
+    for k in range(n_steps):
+        grads = _tree(2, 10 + k, device, dtype)
+        if every is not None:
+            s, s_ref = every(k, s), every(k, s_ref)
+        out = ref(p_ref, grads, s_ref, *e_ref)
+        p_ref, s_ref, e_ref = out[0], out[1], tuple(out[2:])
+        out = fast(p, _tree(2, 10 + k, device, dtype), s, *e)
+        assert out[0] is p and out[1] is s
+    return (p, s, e), (p_ref, s_ref, e_ref), fast
+
+
+@pytest.mark.parametrize(
+    "name, opt",
+    [
+        ("adamw+decay_mask", ps.adamw(1e-2, weight_decay=0.1, mask=ps.decay_mask)),
+        ("clip+injected schedule", ps.chain(
+            ps.clip_by_global_norm(0.5),
+            ps.inject_hyperparams(ps.adamw)(lr=ps.warmup_cosine_schedule(1e-2, 2, 10), weight_decay=0.1),
+        )),
+        ("lamb (per-leaf norms)", ps.lamb(1e-2, weight_decay=0.01)),
+        ("llrd", ps.chain(ps.scale_by_adam(), ps.scale_per_leaf(lambda g: ps.layerwise_lr_decay(g, 0.5)), ps.scale_by_lr(1e-2))),
+        ("partition", ps.partition({"a": ps.sgd(0.1, momentum=0.9), "b": ps.lion(1e-3)},
+                                   lambda p: {k: "a" if k.endswith("bias") else "b" for k in p})),
+    ],
+)
+def test_flat_update_matches_the_pure_update(name, opt):
+    got, want, fast = _run(opt)
+    assert_trees_close(got, want, rtol=1e-10, atol=1e-12)
+    assert fast.layout() is not None, f"{name}: fell back to the per-leaf path"
+
+
+def test_groups_follow_masks_and_per_leaf_math():
+    _, _, fast = _run(ps.adamw(1e-2, weight_decay=0.1, mask=ps.decay_mask), n_steps=1)
+    groups = sorted(sorted(v) for v in fast.layout().values())
+    # decayed matrices in one buffer, biases and other non-decayed leaves in another
+    assert len(groups) == 2
+    assert all(all(p.endswith(".w") for p in g) or all(not p.endswith(".w") or "." not in p for p in g) for g in groups)
+    _, _, fast = _run(ps.lamb(1e-2), n_steps=1)
+    assert all(len(v) == 1 for v in fast.layout().values()), "trust ratios need each leaf alone"
+
+
+def test_state_leaves_alias_the_buffers_and_new_state_trees_are_taken_in():
+    opt = ps.inject_hyperparams(ps.adamw)(lr=1e-2)
+    (p, s, _), (p_ref, s_ref, _), fast = _run(opt, n_steps=2, every=lambda k, st: ps.set_hyperparam(st, "lr", 0.05) if k == 1 else st)
+    assert_trees_close((p, s), (p_ref, s_ref), rtol=1e-10, atol=1e-12)
+    # The per-leaf moments the user holds are views of one buffer: writing through the
+    # buffer shows in them (they are what checkpoints read).
+    mu = ps.tree_get(s, "mu")
+    ptrs = sorted(t.data_ptr() for k, t in mu.items() if k.endswith(".w"))
+    assert len({t.untyped_storage().data_ptr() for k, t in mu.items() if k.endswith(".w")}) == 1, ptrs
+
+
+def test_a_replaced_param_is_taken_in_on_the_next_call():
+    opt = ps.sgd(0.5)
+    params = {"w": torch.ones(3), "b": torch.ones(2)}
+    state = opt.init(params)
+    update = ps.make_update(opt, compile=True, donate=True)
+    update(params, {"w": torch.ones(3), "b": torch.ones(2)}, state)
+    params["w"] = torch.full((3,), 10.0)  # a new tensor under the same name
+    update(params, {"w": torch.ones(3), "b": torch.ones(2)}, state)
+    assert torch.equal(params["w"], torch.full((3,), 9.5)) and torch.equal(params["b"], torch.zeros(2))
+
+
+def test_grads_from_backward_land_in_the_flat_buffer_without_a_copy():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    params = dict(model.named_parameters())
+    opt = ps.sgd(0.1)
+    state = opt.init(params)
+    update = ps.make_update(opt, compile=True, donate=True)
+    x = torch.randn(8, 4)
+    model(x).square().sum().backward()
+    update(params, {k: p.grad for k, p in params.items()}, state)
+    ptrs = [p.grad.data_ptr() for p in params.values()]
+    model.zero_grad(set_to_none=False)
+    model(x).square().sum().backward()
+    assert [p.grad.data_ptr() for p in params.values()] == ptrs  # backward wrote into the buffer views
+    before = {k: p.detach().clone() for k, p in params.items()}
+    grads = {k: p.grad.clone() for k, p in params.items()}
+    update(params, {k: p.grad for k, p in params.items()}, state)
+    for k, p in params.items():
+        torch.testing.assert_close(p.detach(), before[k] - 0.1 * grads[k])
+
+
+def test_functional_model_module_follows_the_flat_params():
+    net = torch.nn.Linear(3, 2)
+    apply_fn, params, _ = ps.functional_model(net)
+    opt = ps.sgd(1.0)
+    state = opt.init(params)
+    update = ps.make_update(opt, compile=True, donate=True)
+    update(params, {k: torch.ones_like(v) for k, v in params.items()}, state)
+    update(params, {k: torch.ones_like(v) for k, v in params.items()}, state)
+    for name, p in net.named_parameters():
+        assert torch.equal(p.detach(), params[name]), name
+
+
+def test_kernels_and_graph_do_not_grow_with_the_tensor_count():
+    from torch._inductor.utils import run_and_get_code
+
+    def code_for(n: int) -> str:
+        torch._dynamo.reset()
+        params = {f"l{i}.weight": torch.randn(64, 32) for i in range(n)} | {f"l{i}.bias": torch.randn(32) for i in range(n)}
+        opt = ps.chain(ps.clip_by_global_norm(1.0), ps.adamw(1e-3, weight_decay=0.1, mask=ps.decay_mask))
+        state = opt.init(params)
+        update = ps.make_update(opt, compile=True, donate=True)
+        grads = {k: torch.randn_like(v) for k, v in params.items()}
+        _, code = run_and_get_code(lambda: update(params, grads, state))
+        assert len(update.layout()) == 2
+        return "\n".join(code)
+
+    def kernels(code: str) -> int:
+        return code.count("async_compile.cpp") + code.count("async_compile.triton(")
+
+    small, large = code_for(3), code_for(30)
+    # 60 tensors compile to the kernels of 6: two buffers either way.
+    assert 0 < kernels(large) == kernels(small) <= 4, (kernels(small), kernels(large))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_replay_matches_and_follows_hyperparameter_changes():
+    opt = ps.chain(ps.clip_by_global_norm(0.5), ps.inject_hyperparams(ps.adamw)(lr=1e-2, weight_decay=0.1))
+    got, want, fast = _run(
+        opt, n_steps=6, device="cuda", dtype=torch.float32, ema=ps.params_ema(0.9),
+        every=lambda k, st: ps.set_hyperparam(st, "lr", 0.03) if k == 4 else st,
+    )
+    assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_transforms_with_per_group_state_keep_the_per_leaf_path():
+    # A state entry that is not shaped like the params cannot be viewed per leaf.
+    def init(params):
+        return {"norms": pytree.tree_map(lambda p: torch.zeros(()), params)}
+
+    def update(grads, state, params=None, **extra):
+        return grads, {"norms": pytree.tree_map(lambda g: g.norm(), grads)}
+
+    opt = ps.Transform(init, update)
+    params = {"w": torch.ones(3), "v": torch.ones(2)}
+    state = opt.init(params)
+    update_fn = ps.make_update(ps.chain(opt, ps.sgd(0.1)), compile=True, donate=True)
+    update_fn(params, {"w": torch.ones(3), "v": torch.ones(2)}, ps.chain(opt, ps.sgd(0.1)).init(params))
+    assert update_fn.layout() is None
+    assert torch.allclose(params["w"], torch.full((3,), 0.9))

@@ -135,6 +135,18 @@ class Packed(dict):
         return pytree.tree_unflatten([views[m.index] for m in self.pack_spec.members_in_order], self.pack_spec.orig_spec)
 
 
+def pack_like(packed: Packed, tree: Any) -> Packed:
+    """`tree` (unpacked, like `packed.unpack()`) packed the way `packed` is: one
+    concatenation per group (inside a compiled step, grads of the per-leaf views)."""
+    leaves = pytree.tree_leaves(tree)
+    by_index = {m.index: x for m, x in zip(packed.pack_spec.members_in_order, leaves)}
+    values = []
+    for group in packed.pack_spec.groups:
+        parts = [by_index[m.index] for m in group.members]
+        values.append(parts[0] if len(parts) == 1 else torch.cat([x.reshape(-1) for x in parts]))
+    return Packed(packed.pack_spec, values)
+
+
 pytree.register_pytree_node(
     Packed,
     lambda p: (list(p.values()), p.pack_spec),
@@ -317,6 +329,8 @@ class FlatUpdate:
     Built by `make_update` when `compile=True, donate=True`; `pure` is the update as a
     pure function of trees, `averaging` an optional `(init, update)` pair."""
 
+    grads_in = True  # grads come from the caller (make_step computes its own)
+
     def __init__(self, transform: Any, pure: Callable, averaging: Any, options: dict) -> None:
         self.transform, self.pure, self.averaging, self.options = transform, pure, averaging, options
         self.bound: dict[str, Any] | None = None
@@ -338,8 +352,9 @@ class FlatUpdate:
         groups, spec = pack.groups, pack.orig_spec
         pairs, _ = tr.tree_flatten_with_path(params)
         p_buf = [torch.empty(g.shape, dtype=g.dtype, device=g.device) for g in groups]
-        g_buf = [torch.zeros(g.shape, dtype=g.dtype, device=g.device) for g in groups]
-        packed_params, packed_grads = Packed(pack, p_buf), Packed(pack, g_buf)
+        # make_step computes its grads inside the step: no grad buffer to keep.
+        g_buf = [torch.zeros(g.shape, dtype=g.dtype, device=g.device) for g in groups] if self.grads_in else []
+        packed_params, packed_grads = Packed(pack, p_buf), (Packed(pack, g_buf) if self.grads_in else None)
         bind_tree(params, packed_params, "params")
         with torch.no_grad():
             packed_state = self.transform.init(packed_params)
@@ -349,13 +364,13 @@ class FlatUpdate:
             bind_tree(ema_state, packed_ema, "ema_state")
         trees = (packed_params, packed_grads, packed_state, packed_ema)
         flat = [pytree.tree_flatten(t) for t in trees]
-        g_views = [v for g, b in zip(groups, g_buf) for v in g.views(b)]
+        g_views = [v for g, b in zip(groups, g_buf) for v in g.views(b)] if self.grads_in else []
         order = [m.index for g in groups for m in g.members]
         self.bound = {
             "groups": groups,
             "specs": [s for _, s in flat],
             "buffers": [leaves for leaves, _ in flat],
-            "grad_views": [g_views[order.index(i)] for i in range(len(order))],
+            "grad_views": [g_views[order.index(i)] for i in range(len(order))] if g_views else [],
             "params": [x for _, x in pairs],
             "param_spec": spec,
             "param_ptrs": [x.data_ptr() for _, x in pairs],
@@ -379,10 +394,7 @@ class FlatUpdate:
                 if pairs:
                     torch._foreach_copy_([d for d, _ in pairs], [n for _, n in pairs])
 
-        # Dynamo keeps compiled graphs per code object (8 at most): each update is its own
-        # program, so it gets its own code object rather than evicting the others'.
-        own = types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__, None, step.__closure__)
-        return torch.compile(own, fullgraph=True, options=self.options.get(device.type, {}))
+        return _compile_own(step, self.options.get(device.type, {}))
 
     def _grads_in(self, grads: Any) -> None:
         views, keys = self.bound["grad_views"], self.bound["keys"]
@@ -409,28 +421,92 @@ class FlatUpdate:
         if b is None or self._params_moved(params):
             self._bind(params, opt_state, ema_state)
             b = self.bound
+        self._take_in_state(opt_state, ema_state)
+        self._grads_in(grads)
+        _run(b, b["buffers"])
+
+    def _take_in_state(self, opt_state: Any, ema_state: Any) -> None:
+        b = self.bound
         if opt_state is not b["state"]:
             bind_tree(opt_state, pytree.tree_unflatten(b["buffers"][2], b["specs"][2]), "opt_state")
             b["state"] = opt_state
         if self.averaging is not None and ema_state is not b["ema"]:
             bind_tree(ema_state, pytree.tree_unflatten(b["buffers"][3], b["specs"][3]), "ema_state")
             b["ema"] = ema_state
-        self._grads_in(grads)
-        args = b["buffers"]
-        cuda = args[0] and args[0][0].is_cuda
-        if not cuda:
-            b["fn"](*args)
-            return
-        if b["graph"] is not None:
-            b["graph"].replay()
-            return
-        b["calls"] += 1
-        if b["calls"] < 2:  # compile and warm up outside a graph
-            b["fn"](*args)
-            return
-        graph = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph):
-            b["fn"](*args)
-        b["graph"] = graph
-        graph.replay()
+
+
+def _compile_own(fn: Callable, options: dict) -> Callable:
+    # Dynamo keeps compiled graphs per code object (8 at most): each step is its own
+    # program, so it gets its own code object rather than evicting the others'.
+    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, None, fn.__closure__)
+    return torch.compile(own, fullgraph=True, options=options)
+
+
+def _run(b: dict, args: list) -> Any:
+    """Call the compiled step; on CUDA, from the second call on, as one CUDA-graph replay
+    (every input lives at a fixed address: the buffers, and make_step's batch copies)."""
+    if not (b["buffers"][0] and b["buffers"][0][0].is_cuda):
+        return b["fn"](*args)
+    if b["graph"] is not None:
+        b["graph"].replay()
+        return b["graph_out"]
+    b["calls"] += 1
+    if b["calls"] < 2:  # compile and warm up outside a graph
+        return b["fn"](*args)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        out = b["fn"](*args)
+    b["graph"], b["graph_out"] = graph, out
+    graph.replay()
+    return out
+
+
+class FlatStep(FlatUpdate):
+    """`make_step`'s compiled, donated step over packed buffers: the loss and grads are
+    taken on per-leaf views of the param buffers, the grads packed, then the update runs
+    on the buffers as in `FlatUpdate`. `pure(params, opt_state, batch, buffers, with_buffers)`
+    is make_step's pure step, which accepts packed params."""
+
+    grads_in = False
+
+    def _compile(self, specs: list[pytree.TreeSpec], device: torch.device) -> Callable:
+        pure, p_spec, s_spec = self.pure, specs[0], specs[2]
+
+        def step(p, s, batch, buffers, with_buffers):
+            params, state = pytree.tree_unflatten(p, p_spec), pytree.tree_unflatten(s, s_spec)
+            new_params, new_state, metrics, new_buffers = pure(params, state, batch, buffers, with_buffers)
+            for dst, src in ((p, new_params), (s, new_state)) + (((buffers, new_buffers),) if with_buffers else ()):
+                d_leaves, n_leaves = pytree.tree_leaves(dst), pytree.tree_leaves(src)
+                pairs = [(d, n) for d, n in zip(d_leaves, n_leaves) if isinstance(d, Tensor) and d is not n]
+                if pairs:
+                    torch._foreach_copy_([d for d, _ in pairs], [n for _, n in pairs])
+            return metrics
+
+        return _compile_own(step, self.options.get(device.type, {}))
+
+    def __call__(self, params: Any, opt_state: Any, batch: Any, buffers: Any = None, with_buffers: bool = False) -> dict:
+        b = self.bound
+        if b is None or self._params_moved(params):
+            self._bind(params, opt_state, None)
+            b = self.bound
+        self._take_in_state(opt_state, None)
+        p, s = b["buffers"][0], b["buffers"][2]
+        if not (p and p[0].is_cuda):
+            return b["fn"](p, s, batch, buffers, with_buffers)
+        # A CUDA graph reads its inputs at fixed addresses: the batch (and buffers) are
+        # copied into tensors the graph owns; a new structure or shape captures anew.
+        key = (pytree.tree_structure((batch, buffers)), [tuple(x.shape) for x in pytree.tree_leaves((batch, buffers))])
+        if b.get("input_key") != key:
+            b["input_key"], b["graph"], b["calls"] = key, None, 0
+            b["inputs"] = pytree.tree_map(lambda x: x.clone() if isinstance(x, Tensor) else x, (batch, buffers))
+        else:
+            dst = pytree.tree_leaves(b["inputs"])
+            src = pytree.tree_leaves((batch, buffers))
+            torch._foreach_copy_([d for d in dst if isinstance(d, Tensor)], [x for x in src if isinstance(x, Tensor)])
+        static_batch, static_buffers = b["inputs"]
+        metrics = _run(b, [p, s, static_batch, static_buffers, with_buffers])
+        if with_buffers:  # donated buffers: the caller's tensors get the new values
+            torch._foreach_copy_(pytree.tree_leaves(buffers), pytree.tree_leaves(static_buffers))
+        # The graph rewrites its outputs on every replay: hand out copies.
+        return pytree.tree_map(lambda x: x.clone() if isinstance(x, Tensor) else x, metrics)

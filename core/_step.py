@@ -264,6 +264,7 @@ def make_step(
     micro_batches: int = 1,
     compile: bool = False,
     donate: bool = False,
+    flat: bool = True,
 ) -> Callable[..., tuple]:
     """One training step: gradients of `loss_fn`, then `optimizer`, as one function.
 
@@ -294,6 +295,10 @@ def make_step(
       donate: update params, state (and buffers) in place; the returned trees are the
         input trees. Without it the step is pure: differentiable (meta-gradients) and
         `torch.func.vmap`-able (ensembles).
+      flat: with `compile=True, donate=True`, params and state live in flat buffers and
+        the update runs over them, as in `make_update` (whose docstring states the rules);
+        the loss sees per-leaf views, and on CUDA the whole step is one CUDA-graph replay
+        (the batch is copied into the graph's own input tensors; metrics are copies).
 
     Example:
         >>> import torch, purestep.core as ps
@@ -331,18 +336,22 @@ def make_step(
         return grads, loss, aux, buffers
 
     def pure(params, opt_state, batch, buffers=None, with_buffers=False):
+        # Flat buffers (`FlatStep`): the loss sees per-leaf views; the grads are packed after.
+        named = params.unpack() if _flat.is_packed(params) else params
         if micro_batches == 1:
-            grads, loss, aux, buffers = grads_of(params, batch, buffers, with_buffers)
+            grads, loss, aux, buffers = grads_of(named, batch, buffers, with_buffers)
         else:
             grads, losses, auxes = None, [], []
             for micro in _split_batch(batch, micro_batches):
-                g, loss, aux, buffers = grads_of(params, micro, buffers, with_buffers)
+                g, loss, aux, buffers = grads_of(named, micro, buffers, with_buffers)
                 grads = g if grads is None else pytree.tree_map(torch.add, grads, g)
                 losses.append(loss)
                 auxes.append(aux)
             grads = pytree.tree_map(lambda g: g / micro_batches, grads)
             loss = torch.stack(losses).mean()
             aux = pytree.tree_map(lambda *xs: torch.stack(xs), *auxes) if has_aux else None
+        if _flat.is_packed(params):
+            grads = _flat.pack_like(params, grads)
         grad_norm = tr.tree_global_norm(grads)
         new_params, new_state, updates = _apply(optimizer, params, grads, opt_state)
         metrics = {"loss": loss, "grad_norm": grad_norm, "update_norm": tr.tree_global_norm(updates)}
@@ -362,11 +371,15 @@ def make_step(
         return metrics
 
     inner = _maybe_compile(in_place if donate else pure, compile)
+    packed = _flat.FlatStep(optimizer, pure, None, _FLAT_OPTIONS) if compile and donate and flat else None
 
     def step(params: Params, opt_state: OptState, batch: PyTree, buffers: PyTree = None) -> tuple:
+        nonlocal packed
         with_buffers = buffers is not None
+        if packed is not None and packed.bound is None and not (_plain_leaves(params) and packed.plans(params)):
+            packed = None  # this transform or these leaves stay on the per-leaf path
         if donate:
-            metrics = inner(params, opt_state, batch, buffers, with_buffers)
+            metrics = (packed or inner)(params, opt_state, batch, buffers, with_buffers)
             new_params, new_state, new_buffers = params, opt_state, buffers
         else:
             new_params, new_state, metrics, new_buffers = inner(params, opt_state, batch, buffers, with_buffers)
@@ -374,4 +387,9 @@ def make_step(
             return new_params, new_state, metrics, new_buffers
         return new_params, new_state, metrics
 
+    def layout() -> dict[str, list[str]] | None:
+        """The flat buffers in use: `{buffer: [leaf paths]}`, or None on the per-leaf path."""
+        return None if packed is None or packed.bound is None else packed.layout()
+
+    step.layout = layout
     return step

@@ -174,3 +174,31 @@ def test_transforms_with_per_group_state_keep_the_per_leaf_path():
     update_fn(params, {"w": torch.ones(3), "v": torch.ones(2)}, ps.chain(opt, ps.sgd(0.1)).init(params))
     assert update_fn.layout() is None
     assert torch.allclose(params["w"], torch.full((3,), 0.9))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_flat_make_step_matches_the_pure_step(device):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).to(device)
+    apply_fn, params, buffers = ps.functional_model(net)
+
+    def loss_fn(p, batch):
+        x, y = batch
+        return ((apply_fn(p, buffers, x)[0] - y) ** 2).mean()
+
+    opt = ps.chain(ps.clip_by_global_norm(1.0), ps.inject_hyperparams(ps.adamw)(lr=1e-2, weight_decay=0.1, mask=ps.decay_mask))
+    ref_params = {k: v.clone() for k, v in params.items()}
+    ref_state, state = opt.init(ref_params), opt.init(params)
+    ref = ps.make_step(loss_fn, opt)
+    fast = ps.make_step(loss_fn, opt, compile=True, donate=True)
+    for k in range(5):
+        batch = (torch.randn(16, 6, device=device), torch.randn(16, 3, device=device))
+        ref_params, ref_state, ref_m = ref(ref_params, ref_state, batch)
+        out_params, state, m = fast(params, state, batch)
+        assert out_params is params
+        torch.testing.assert_close(m["loss"], ref_m["loss"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(m["grad_norm"], ref_m["grad_norm"], rtol=1e-5, atol=1e-6)
+    assert fast.layout() is not None and len(fast.layout()) == 2
+    assert_trees_close((params, state), (ref_params, ref_state), rtol=1e-4, atol=1e-5)
+    for name, p in net.named_parameters():  # the module follows its flat params
+        assert torch.equal(p.detach(), params[name])

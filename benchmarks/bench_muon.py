@@ -1,4 +1,4 @@
-"""ps.muon (compiled, same-shape matrices batched) against torch.optim.Muon, side by side.
+"""ps.muon (`ps.make_update(compile=True, donate=True)`) against torch.optim.Muon, side by side.
 
 Transformer-shaped matrices: per layer 4 attention matrices (d × d) and 2 MLP matrices
 (4d × d and d × 4d). Prints ms per optimizer step and the ratio theirs / ours.
@@ -71,15 +71,14 @@ def main() -> None:
     ref = torch.optim.Muon(tensors, lr=0.02, weight_decay=0.01, momentum=0.95, nesterov=True)
     theirs = time_steps(ref.step, args.steps, args.warmup, device)
 
-    # ours: the pure update, compiled, applied in place
+    # ours: the compiled, donated update (make_update), as a training loop runs it
     opt = ps.muon(lr=0.02, weight_decay=0.01, ns_dtype=ns_dtype)
     ours_params = {k: v.clone() for k, v in params.items()}
-    state = [opt.init(ours_params)]
-    update = opt.update if args.no_compile else torch.compile(opt.update, fullgraph=True)
+    state = opt.init(ours_params)
+    update = ps.make_update(opt, compile=not args.no_compile, donate=True)
 
     def ours_step() -> None:
-        updates, state[0] = update(grads, state[0], ours_params)
-        ps.apply_updates_(ours_params, updates)
+        update(ours_params, grads, state)
 
     t0 = time.perf_counter()
     ours_step()

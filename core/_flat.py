@@ -496,14 +496,13 @@ class FlatStep(FlatUpdate):
             return b["fn"](p, s, batch, buffers, with_buffers)
         # A CUDA graph reads its inputs at fixed addresses: the batch (and buffers) are
         # copied into tensors the graph owns; a new structure or shape captures anew.
-        key = (pytree.tree_structure((batch, buffers)), [tuple(x.shape) for x in pytree.tree_leaves((batch, buffers))])
+        key = (pytree.tree_structure((batch, buffers)), [getattr(x, "shape", x) for x in pytree.tree_leaves((batch, buffers))])
         if b.get("input_key") != key:
             b["input_key"], b["graph"], b["calls"] = key, None, 0
             b["inputs"] = pytree.tree_map(lambda x: x.clone() if isinstance(x, Tensor) else x, (batch, buffers))
         else:
-            dst = pytree.tree_leaves(b["inputs"])
-            src = pytree.tree_leaves((batch, buffers))
-            torch._foreach_copy_([d for d in dst if isinstance(d, Tensor)], [x for x in src if isinstance(x, Tensor)])
+            pairs = [(d, x) for d, x in zip(pytree.tree_leaves(b["inputs"]), pytree.tree_leaves((batch, buffers))) if isinstance(d, Tensor)]
+            torch._foreach_copy_([d for d, _ in pairs], [x for _, x in pairs])
         static_batch, static_buffers = b["inputs"]
         metrics = _run(b, [p, s, static_batch, static_buffers, with_buffers])
         if with_buffers:  # donated buffers: the caller's tensors get the new values

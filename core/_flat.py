@@ -403,10 +403,14 @@ class FlatUpdate:
         else:
             leaves = tr.check_match(grads, pytree.tree_unflatten(self.bound["params"], self.bound["param_spec"]))
         stale = [(v, g) for v, g in zip(views, leaves) if g.data_ptr() != v.data_ptr() or g.shape != v.shape]
-        for v, g in stale:
-            # One copy into the flat grad buffer; the grad tensor then views it, so a
-            # `loss.backward()` after `zero_grad(set_to_none=False)` writes there directly.
-            repoint_(g, v, "grads")
+        with torch.no_grad():
+            for v, g in stale:
+                if g._is_view():  # a view into someone else's buffer (DDP buckets): copy, leave it be
+                    v.copy_(g)
+                else:
+                    # One copy into the flat grad buffer; the grad tensor then views it, so a
+                    # `loss.backward()` after `zero_grad(set_to_none=False)` writes there directly.
+                    repoint_(g, v, "grads")
 
     def _params_moved(self, params: Any) -> bool:
         leaves = list(params.values()) if type(params) is dict else pytree.tree_leaves(params)

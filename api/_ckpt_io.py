@@ -96,7 +96,7 @@ def save(final: Path, trees: tuple[Any, Any, Any], *, step: int, world: D.World,
                 _prune(final, keep_last - 1, is_good)
             tmp = dirs.temporary(final)
             tmp.mkdir()
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - every rank raises it below
             problem = f"{final}: cannot write the checkpoint: {reason(e)}"
     tmp, problem = D.broadcast_object((tmp, problem), world)
     if problem is not None:
@@ -212,9 +212,12 @@ def _versions() -> dict[str, str]:
     }
 
 
-def load(root: Path, likes: tuple[Any, Any, Any], names: tuple[str, str, str], world: D.World,
-          device: torch.device | None, verify: bool = True) -> Checkpoint:
-    """The one load: rank 0 verifies, every rank checks the trees against the checkpoint, DCP reads the regions."""
+def load(root: Path, likes: tuple[Any, Any, Any], names: tuple[str, str, str], world: D.World, *,
+         flat: bool = False, device: torch.device | None = None, verify: bool = True) -> Checkpoint:
+    """The one load: rank 0 verifies, every rank checks the trees against the checkpoint, DCP reads the regions.
+
+    A tree given as None is not loaded, or with `flat` loaded whole as `dict(path -> tensor)` on `device`.
+    """
     problem = None
     if world.main:
         try:
@@ -227,7 +230,7 @@ def load(root: Path, likes: tuple[Any, Any, Any], names: tuple[str, str, str], w
     try:
         manifest = read_manifest(root)
         wholes = assemble(root, _LAYOUT[manifest.layout].chunks(root, manifest))
-        state, plan = _targets(root, manifest, wholes, likes, names, device)
+        state, plan = _targets(root, manifest, wholes, likes, names, flat, device)
     except CheckpointError as e:
         problem = str(e)
     problem = D.agree(problem, world)
@@ -243,25 +246,31 @@ def load(root: Path, likes: tuple[Any, Any, Any], names: tuple[str, str, str], w
 
 
 def _targets(root: Path, manifest: Manifest, wholes: dict[str, Whole], likes: tuple[Any, Any, Any],
-             names: tuple[str, str, str], device: torch.device | None) -> tuple[dict[str, Tensor], list[tuple]]:
+             names: tuple[str, str, str], flat: bool, device: torch.device | None) -> tuple[dict[str, Tensor], list]:
     """Empty tensors to load into (`fqn -> tensor`: laid out like the `likes` leaves, or whole on `device`),
     after checking each tree against the checkpoint leaf for leaf; and per group how to rebuild it:
     `(group, present, paths, treespec or None for a flat dict)`."""
-    stray = sorted(f for f in wholes if f.split(".", 1)[0] not in GROUPS)
-    if stray:
-        raise CheckpointError(f"{root / wholes[stray[0]].chunks[0].file}: holds '{stray[0]}', which is in no checkpoint tree")
+    held: dict[str, list[str]] = {}
+    for fqn in wholes:
+        group, path = fqn.split(".", 1) if "." in fqn else (fqn, "")
+        if group not in GROUPS:
+            raise CheckpointError(f"{root / wholes[fqn].chunks[0].file}: holds '{fqn}', which is in no checkpoint tree")
+        held.setdefault(group, []).append(path)
     state: dict[str, Tensor] = {}
     plan = []
     for group, like, what in zip(GROUPS, likes, names):
-        saved = manifest.order.get(group) or [f.split(".", 1)[1] for f in wholes if f.split(".", 1)[0] == group]
-        present = group in manifest.order or bool(saved)
+        saved = manifest.order.get(group, held.get(group, []))
+        if set(saved) != set(held.get(group, [])):
+            odd = sorted(set(saved) ^ set(held.get(group, [])))[0]
+            raise CheckpointError(f"{root / MANIFEST}: the manifest and the files disagree on {group} tensor '{odd}'")
+        present = group in manifest.order or group in held
         if like is None:
             if group == "params" and not present:
                 raise CheckpointError(f"{root / MANIFEST}: the checkpoint holds no params")
-            for path in saved:
+            for path in saved if flat else ():
                 w = wholes[f"{group}.{path}"]
                 state[f"{group}.{path}"] = torch.empty(w.shape, dtype=w.dtype, device=device)
-            plan.append((group, present, saved, None))
+            plan.append((group, present and flat, saved, None))
             continue
         if not present:
             raise CheckpointError(f"{root}: the checkpoint holds no {group}, but {what} was given")

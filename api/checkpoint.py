@@ -132,7 +132,8 @@ def load_checkpoint(
       device: where to put params (and flat trees); default CPU.
     """
     dev = torch.device("cpu" if device is None else device)
-    return io.load(Path(path), (None, opt_state_like, ema_like), ("params", "opt_state_like", "ema_like"), io.ONE, dev)
+    return io.load(Path(path), (None, opt_state_like, ema_like), ("params", "opt_state_like", "ema_like"), io.ONE,
+                   flat=True, device=dev)
 
 
 def load_distributed(
@@ -146,7 +147,7 @@ def load_distributed(
     their shape. With `verify`, rank 0 checks every file's sha256 first. A tensor whose
     shape or dtype differs raises `CheckpointError` naming it and both shapes.
     """
-    return io.load(Path(path), (params, opt_state, ema), ("params", "opt_state", "ema"), D.current_world(), None, verify)
+    return io.load(Path(path), (params, opt_state, ema), ("params", "opt_state", "ema"), D.current_world(), verify=verify)
 
 
 # --------------------------------------------------------------------------- #
@@ -240,7 +241,7 @@ class CheckpointManager:
         """
         root = Path(path)
         c = io.load(root, (params_like, opt_state_like, ema_like), ("params_like", "opt_state_like", "ema_like"),
-                    self.world, None)
+                    self.world)
         self._good[root] = c.manifest.checksum
         return c
 

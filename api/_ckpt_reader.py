@@ -119,7 +119,7 @@ def _sealed_reader(root: Path, wholes: dict[str, Whole]) -> Any:
                 fqn: TensorStorageMetadata(
                     properties=TensorProperties(dtype=w.dtype),
                     size=torch.Size(w.shape),
-                    chunks=[ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.shape)) for c in w.chunks],
+                    chunks=[ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.shape)) for c in w.chunks],
                 )
                 for fqn, w in wholes.items()
             }
@@ -147,7 +147,7 @@ def _sealed_reader(root: Path, wholes: dict[str, Whole]) -> Any:
                         data = f.get_slice(key)[region] if region else f.get_tensor(key)
                         target = planner.resolve_tensor(item).detach()
                         if data.shape != target.shape:  # planned from our own metadata: never, unless a file lies
-                            raise CheckpointError(f"{root / file}: '{key}' is {list(data.shape)}, expected {list(target.shape)}")
+                            raise CheckpointError(f"{root / file}: '{key}' is {list(data.shape)}, not {list(target.shape)}")
                         target.copy_(data)
                         planner.commit_tensor(item, target)
             done: torch.futures.Future = torch.futures.Future()

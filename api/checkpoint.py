@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from . import _ckpt_dirs as dirs
+from . import _ckpt_io as store
 from . import distributed as D
 from ._ckpt_format import MANIFEST as MANIFEST
 from ._ckpt_format import CheckpointError as CheckpointError
@@ -37,7 +38,6 @@ from ._ckpt_format import Manifest as Manifest
 from ._ckpt_format import read_header as read_header  # with verify_file: how `purestep inspect` reads files
 from ._ckpt_format import read_manifest as read_manifest
 from ._ckpt_format import verify_file as verify_file
-from . import _ckpt_io as io
 from ._ckpt_io import Checkpoint as Checkpoint
 from ._ckpt_io import verify_checkpoint as verify_checkpoint
 
@@ -102,9 +102,9 @@ def save_checkpoint(
         >>> load_checkpoint(p).params["w"]
         tensor([1., 1.])
     """
-    world = D.current_world() if distributed else io.ONE
-    return io.save(Path(path), (params, opt_state, ema), step=step, world=world, layout="dcp" if distributed else "files",
-                   extras=(config, metadata, data_state), rng=rng, keep_last=keep_last, is_good=io.verifies)
+    world = D.current_world() if distributed else store.ONE
+    return store.save(Path(path), (params, opt_state, ema), step=step, world=world, layout="dcp" if distributed else "files",
+                      extras=(config, metadata, data_state), rng=rng, keep_last=keep_last, is_good=store.verifies)
 
 
 # --------------------------------------------------------------------------- #
@@ -132,8 +132,8 @@ def load_checkpoint(
       device: where to put params (and flat trees); default CPU.
     """
     dev = torch.device("cpu" if device is None else device)
-    return io.load(Path(path), (None, opt_state_like, ema_like), ("params", "opt_state_like", "ema_like"), io.ONE,
-                   flat=True, device=dev)
+    return store.load(Path(path), (None, opt_state_like, ema_like), ("params", "opt_state_like", "ema_like"), store.ONE,
+                      flat=True, device=dev)
 
 
 def load_distributed(
@@ -147,7 +147,8 @@ def load_distributed(
     their shape. With `verify`, rank 0 checks every file's sha256 first. A tensor whose
     shape or dtype differs raises `CheckpointError` naming it and both shapes.
     """
-    return io.load(Path(path), (params, opt_state, ema), ("params", "opt_state", "ema"), D.current_world(), verify=verify)
+    world = D.current_world()
+    return store.load(Path(path), (params, opt_state, ema), ("params", "opt_state", "ema"), world, verify=verify)
 
 
 # --------------------------------------------------------------------------- #
@@ -220,9 +221,9 @@ class CheckpointManager:
         Crashed saves' leftovers are removed first. Raises `CheckpointError` (one line
         naming the path) on every rank when the checkpoint cannot be written.
         """
-        path = io.save(checkpoint_dir(self.run_dir, step), (params, opt_state, ema), step=step, world=self.world,
-                       layout="dcp" if self.distributed else "files", extras=(config, metadata, data_state), rng=True,
-                       keep_last=self.keep_last, is_good=self._is_good)
+        path = store.save(checkpoint_dir(self.run_dir, step), (params, opt_state, ema), step=step, world=self.world,
+                          layout="dcp" if self.distributed else "files", extras=(config, metadata, data_state), rng=True,
+                          keep_last=self.keep_last, is_good=self._is_good)
         if self.world.main:
             self._good[path] = read_manifest(path).checksum  # hashed as it was written
             return path
@@ -240,8 +241,8 @@ class CheckpointManager:
         raises `CheckpointError` naming it and both shapes: nothing is ever broadcast.
         """
         root = Path(path)
-        c = io.load(root, (params_like, opt_state_like, ema_like), ("params_like", "opt_state_like", "ema_like"),
-                    self.world)
+        c = store.load(root, (params_like, opt_state_like, ema_like), ("params_like", "opt_state_like", "ema_like"),
+                       self.world)
         self._good[root] = c.manifest.checksum
         return c
 
@@ -272,7 +273,7 @@ class CheckpointManager:
         except CheckpointError:
             return False
         if self._good.get(path) != checksum:
-            if not io.verifies(path):
+            if not store.verifies(path):
                 return False
             self._good[path] = checksum
         return True

@@ -117,7 +117,8 @@ def checkpoint_drill(out: Path) -> None:
         seen[f"{run.name}_fallback"] = manager.restore(params_like=like, opt_state_like=state).step
         wrong = D.wrap(torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 3)), world)
         try:
-            manager.load(run / "checkpoints" / "step_00000001", params_like={k: p.detach() for k, p in wrong.named_parameters()})
+            wrong_like = {k: p.detach() for k, p in wrong.named_parameters()}
+            manager.load(run / "checkpoints" / "step_00000001", params_like=wrong_like)
             seen[f"{run.name}_shape_error"] = None
         except CheckpointError as e:
             seen[f"{run.name}_shape_error"] = str(e)

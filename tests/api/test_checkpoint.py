@@ -208,7 +208,8 @@ def test_latest_checkpoint_looks_in_the_run_dir_or_the_folder_itself(run, tmp_pa
 def test_a_state_tree_that_does_not_match_names_the_path(run):
     _, params, _, _ = trained_state(0)
     other = ps.sgd(0.1, momentum=0.9).init(params)
-    with pytest.raises(CheckpointError, match=r"step_00000003: has no opt_state tensor '1.trace.layers.0.weight', which opt_state_like has"):
+    with pytest.raises(CheckpointError, match=r"step_00000003: has no opt_state tensor '1.trace.layers.0.weight', "
+                                              r"which opt_state_like has"):
         load_checkpoint(checkpoint_dir(run, 3), opt_state_like=other)
     wrong_dtype = ps.adamw(1e-2).init({k: v.double() for k, v in params.items()})
     like = trained_state(0)[2]

@@ -79,7 +79,8 @@ def two_steps(tmp_path_factory):
 
 @pytest.mark.parametrize("distributed", [False, True], ids=["files", "dcp"])
 @pytest.mark.parametrize("new_step", [5, 3], ids=["new step", "re-save of the newest"])
-def test_a_crash_at_any_point_of_a_save_loses_nothing_and_the_next_save_cleans_up(two_steps, tmp_path, distributed, new_step):
+def test_a_crash_at_any_point_of_a_save_loses_nothing_and_the_next_save_cleans_up(two_steps, tmp_path, distributed,
+                                                                                   new_step):
     template, opt, saved = two_steps
     _, params, state, ema = trained_state(5)
     contents = {step: [trees] for step, trees in saved.items()}  # what a checkpoint of each step may hold

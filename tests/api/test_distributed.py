@@ -147,7 +147,7 @@ def test_more_ranks_per_node_than_gpus_fails_in_one_line_naming_both_counts(monk
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     for strategy in ("ddp", "fsdp"):  # every rank fails, rank 0 too: its GPU exists, the launch is still wrong
-        with pytest.raises(ValueError, match=r"^2 processes per node need 2 GPUs, but this node has 1: launch at most 1") as e:
+        with pytest.raises(ValueError, match=r"^2 processes per node need 2 GPUs, but this node has 1: launch at most") as e:
             D.setup(strategy)
         assert len(str(e.value).splitlines()) == 1
     with pytest.raises(ValueError, match=r"device cuda:3 asked for, but this node has 1 GPU\(s\)"):

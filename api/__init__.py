@@ -2,6 +2,7 @@
 
 from .checkpoint import Checkpoint as Checkpoint
 from .checkpoint import CheckpointError as CheckpointError
+from .checkpoint import CheckpointManager as CheckpointManager
 from .checkpoint import Manifest as Manifest
 from .checkpoint import checkpoint_dir as checkpoint_dir
 from .checkpoint import latest_checkpoint as latest_checkpoint
@@ -29,6 +30,7 @@ __all__: list[str] = [
     "read_manifest",
     "Checkpoint",
     "CheckpointError",
+    "CheckpointManager",
     "Manifest",
     "TrainConfig",
     "OptimizerConfig",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -199,8 +200,6 @@ def plot(run_dir: Path, png: Path | None = None) -> Path:
 
 def inspect_checkpoint(path: Path) -> int:
     """Print a checkpoint's step, config, files (sha256 status) and tensor table; 1 if a file is damaged."""
-    from safetensors import safe_open
-
     if not path.exists():
         raise UsageError(f"{path}: no such checkpoint or run directory")
     if not (path / ckpt.MANIFEST).is_file():
@@ -222,21 +221,15 @@ def inspect_checkpoint(path: Path) -> int:
     rows = []
     for filename, entry in manifest.files.items():
         try:
-            ckpt._verify(path / filename, entry)
+            ckpt.verify_file(path / filename, entry)
             status = "sha256 ok"
         except ckpt.CheckpointError as e:
             status, bad = f"DAMAGED: {e}", bad + 1
         print(f"file       {filename:24s} {entry.size:>12,d} bytes  {status}")
         if status != "sha256 ok":
             continue
-        with safe_open(str(path / filename), framework="pt") as f:
-            for name in f.keys():
-                sl = f.get_slice(name)
-                shape, dtype = sl.get_shape(), sl.get_dtype()
-                numel = 1
-                for s in shape:
-                    numel *= s
-                rows.append((filename.removesuffix(".safetensors"), name, shape, dtype, numel))
+        for name, shape, dtype in ckpt.read_header(path / filename)[0]:  # CheckpointError if malformed
+            rows.append((filename.removesuffix(".safetensors"), name, list(shape), dtype, math.prod(shape)))
     width = max((len(f"{g}/{n}") for g, n, *_ in rows), default=10)
     print(f"\n{'tensor':{width}s}  {'shape':18s} {'dtype':8s} {'elements':>12s}")
     for group, name, shape, dtype, numel in rows:

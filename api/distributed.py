@@ -44,15 +44,20 @@ class World:
 
 
 def setup(strategy: str = "single", device: str | None = None) -> World:
-    """Join the process group torchrun describes (if any) and pick this rank's device."""
+    """Join the process group torchrun describes (if any) and pick this rank's device.
+
+    On CUDA each process of a node takes the GPU of its `LOCAL_RANK`; a launch with more
+    processes per node than the node has GPUs fails here, in one line naming both counts.
+    """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     size = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     if device is None:
-        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
     if dev.type == "cuda":
+        dev = _local_gpu(dev, local_rank)
         torch.cuda.set_device(dev)
     if strategy == "single":
         if size > 1:
@@ -69,6 +74,21 @@ def setup(strategy: str = "single", device: str | None = None) -> World:
         backend = "nccl" if dev.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10), device_id=dev if dev.type == "cuda" else None)
     return World(dist.get_rank(), dist.get_world_size(), local_rank, dev, strategy)
+
+
+def _local_gpu(dev: torch.device, local_rank: int) -> torch.device:
+    """This process's GPU: `cuda:LOCAL_RANK` unless an index was given; checked against the node's GPU count."""
+    count = torch.cuda.device_count()
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", str(local_rank + 1)))
+    if dev.index is None and per_node > count:
+        raise ValueError(
+            f"{per_node} processes per node need {per_node} GPUs, but this node has {count}: "
+            f"launch at most {count} (torchrun --nproc_per_node={count}) or run on CPU"
+        )
+    index = local_rank if dev.index is None else dev.index
+    if index >= count:
+        raise ValueError(f"device cuda:{index} asked for, but this node has {count} GPU(s) (cuda:0..cuda:{count - 1})")
+    return torch.device("cuda", index)
 
 
 def teardown(world: World) -> None:
@@ -115,24 +135,55 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
+def current_world() -> World:
+    """The world of the default process group (a world of one without one), for code given no `World`."""
+    if dist.is_available() and dist.is_initialized():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        return World(dist.get_rank(), dist.get_world_size(), local_rank, device, "ddp")
+    return World(0, 1, 0, torch.device("cpu"), "single")
+
+
+# The collectives: every one is a no-op in a world of one, and every rank of a larger world must call it.
+
+
 def all_reduce_sum(t: Tensor, world: World) -> Tensor:
     """`t` summed over ranks (in place; returned)."""
-    if world.distributed:
+    if world.size > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
 
 
 def broadcast_object(obj: Any, world: World) -> Any:
     """Rank 0's `obj` on every rank."""
-    if not world.distributed:
+    if world.size == 1:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
+def gather_object(obj: Any, world: World) -> list[Any]:
+    """Every rank's `obj`, in rank order, on rank 0 (an empty list elsewhere)."""
+    if world.size == 1:
+        return [obj]
+    out = [None] * world.size if world.main else None
+    dist.gather_object(obj, out, dst=0)
+    return out if world.main else []
+
+
+def agree(error: str | None, world: World) -> str | None:
+    """The first rank's error (a message, or None) on every rank, so that all ranks fail or go on together."""
+    if world.size == 1:
+        return error
+    out: list[Any] = [None] * world.size
+    dist.all_gather_object(out, error)
+    return next((e for e in out if e is not None), None)
+
+
 def barrier(world: World) -> None:
-    if world.distributed:
+    """Wait for every rank."""
+    if world.size > 1:
         dist.barrier()
 
 

@@ -1,12 +1,15 @@
 """A tiny training run for the api tests; launched in process, as a subprocess, or under torchrun.
 
 `python tests/api/_worker.py OUT STRATEGY STEPS [--resume] [--nan-at STEP] [--set k=v ...]`
+`python tests/api/_worker.py save-forever OUT`: checkpoint after checkpoint until killed
+`torchrun ... tests/api/_worker.py checkpoint-drill OUT`: the CheckpointManager on FSDP2-sharded trees
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -55,7 +58,95 @@ def trainer(out: Path | None, *overrides: str, nan_at: int | None = None, spikes
     return t
 
 
+def save_forever(out: Path) -> None:
+    """Save 4 MB checkpoints with keep_last=2, one after another, printing each step, until killed."""
+    from purestep.api.checkpoint import CheckpointManager
+
+    manager = CheckpointManager(out, keep_last=2)
+    latest = manager.latest()
+    step = (manager.load(latest, params_like={"w": torch.zeros(1 << 20)}).step + 1) if latest else 0
+    while True:
+        manager.save(step, params={"w": torch.full((1 << 20,), float(step))}, metadata={"step": step})
+        print(step, flush=True)
+        step += 1
+
+
+def checkpoint_drill(out: Path) -> None:
+    """Under torchrun: DCP and plain saves of FSDP2-sharded trees, fallback, shape errors, a rank failing a save.
+
+    Each rank writes what it saw to OUT/seen-<rank>.json.
+    """
+    import json
+
+    import purestep.core as ps
+    from purestep.api import distributed as D
+    from purestep.api.checkpoint import CheckpointError, CheckpointManager, load_checkpoint
+
+    world = D.setup("fsdp", "cpu")
+    torch.manual_seed(0)
+    model = D.wrap(torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 2)), world)
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    opt = ps.adamw(1e-2)
+    state = opt.init(params)
+    seen: dict[str, object] = {"rank": world.rank}
+    for distributed, run in ((True, out / "dcp"), (False, out / "files")):
+        manager = CheckpointManager(run, keep_last=2, world=world, distributed=distributed)
+        for step in (1, 2):
+            with torch.no_grad():
+                for p in params.values():
+                    p.add_(1.0)
+            manager.save(step, params=params, opt_state=state)
+        like = {k: torch.zeros_like(v) for k, v in params.items()}
+        seen[f"{run.name}_layout"] = load_checkpoint(run / "checkpoints" / "step_00000002").manifest.layout
+        whole = load_checkpoint(run / "checkpoints" / "step_00000002").params  # in one process, no collective
+        full = D.full_tree(params)  # a collective: every rank gathers every tensor
+        seen[f"{run.name}_whole_equal"] = all(torch.equal(whole[k], full[k]) for k in params)
+        restored = manager.restore(params_like=like, opt_state_like=state)
+        seen[f"{run.name}_restored"] = restored.step
+        seen[f"{run.name}_sharded_equal"] = all(
+            torch.equal(D.local(restored.params[k]), D.local(v)) for k, v in params.items()
+        )
+        D.barrier(world)
+        if world.main:  # damage the newest checkpoint: every rank must fall back to the older one together
+            pattern = "shard-00002-model-00001-*" if distributed else "params.safetensors"  # rank 1's params shard
+            (victim,) = (run / "checkpoints" / "step_00000002").glob(pattern)
+            data = bytearray(victim.read_bytes())
+            data[-1] ^= 1
+            victim.write_bytes(bytes(data))
+        D.barrier(world)
+        seen[f"{run.name}_fallback"] = manager.restore(params_like=like, opt_state_like=state).step
+        wrong = D.wrap(torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 3)), world)
+        try:
+            wrong_like = {k: p.detach() for k, p in wrong.named_parameters()}
+            manager.load(run / "checkpoints" / "step_00000001", params_like=wrong_like)
+            seen[f"{run.name}_shape_error"] = None
+        except CheckpointError as e:
+            seen[f"{run.name}_shape_error"] = str(e)
+    # A save that fails on rank 1 only fails on every rank, and publishes nothing.
+    manager = CheckpointManager(out / "dcp", keep_last=5, world=world, distributed=True)
+    if world.rank == 1:
+        import purestep.api._layout_dcp as layout
+
+        def broken(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        layout.hash_and_fsync = broken
+    try:
+        manager.save(3, params=params, opt_state=state)
+        seen["failed_save"] = None
+    except CheckpointError as e:
+        seen["failed_save"] = str(e)
+    D.barrier(world)
+    seen["after_failed_save"] = sorted(p.name for p in (out / "dcp" / "checkpoints").iterdir())
+    (out / f"seen-{world.rank}.json").write_text(json.dumps(seen))
+    D.teardown(world)
+
+
 if __name__ == "__main__":
+    if sys.argv[1] in ("save-forever", "checkpoint-drill"):
+        torch.set_num_threads(1)
+        (save_forever if sys.argv[1] == "save-forever" else checkpoint_drill)(Path(sys.argv[2]))
+        sys.exit(0)
     p = argparse.ArgumentParser()
     p.add_argument("out", type=Path)
     p.add_argument("strategy")

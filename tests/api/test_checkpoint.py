@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
+import shutil
 from pathlib import Path
 
 import msgspec
@@ -18,7 +20,8 @@ from purestep.api import (
     read_manifest,
     save_checkpoint,
 )
-from purestep.api import checkpoint as ckpt_module
+from purestep.api._ckpt_format import encode_manifest
+from purestep.api.checkpoint import FileEntry, load_distributed
 
 
 def trained_state(steps: int = 3):
@@ -48,6 +51,19 @@ def assert_trees_equal(a, b):
     for (path, x), (_, y) in zip(pa, pb):
         assert x.dtype == y.dtype and x.shape == y.shape, path
         assert torch.equal(x, y), path
+
+
+def reseal(path: Path, files: dict[str, Path | None]) -> None:
+    """Relist files in a checkpoint's manifest and seal it again, as its writer would (what a buggy tool or an
+    attacker can do): each name maps to the real file whose sha256 and size it gets, or None to unlist it."""
+    manifest = read_manifest(path)
+    listed = dict(manifest.files)
+    for name, real in files.items():
+        listed.pop(name, None)
+        if real is not None:
+            data = real.read_bytes()
+            listed[name] = FileEntry(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+    (path / "manifest.json").write_bytes(encode_manifest(msgspec.structs.replace(manifest, files=listed)))
 
 
 @pytest.fixture
@@ -102,6 +118,16 @@ def test_resuming_from_a_checkpoint_continues_bit_for_bit(tmp_path):
         b = ps.apply_updates(b, u)
     assert_trees_equal(a, b)
     assert_trees_equal(sa, sb)
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["files", "dcp"])
+def test_params_that_are_views_into_one_flat_buffer_save_only_their_own_elements(tmp_path, distributed):
+    # A compiled, donated make_update keeps params and state as views into flat buffers.
+    flat = torch.arange(100_000, dtype=torch.float32)
+    params = {"a": flat[10:20].view(2, 5), "b": flat[500:503], "c": flat[7:8].view(())}
+    path = save_checkpoint(tmp_path / "ck", params=params, step=1, distributed=distributed)
+    assert_trees_equal(load_checkpoint(path).params, params)
+    assert sum(p.stat().st_size for p in path.glob("*.safetensors") if p.name != "rng.safetensors") < 2000
 
 
 def test_rng_states_are_saved_and_restored(tmp_path):
@@ -166,39 +192,7 @@ def test_a_file_swapped_for_another_valid_one_fails(run):
         load_checkpoint(checkpoint_dir(run, 3))
 
 
-def test_a_save_that_fails_part_way_leaves_no_checkpoint_to_pick(run, monkeypatch):
-    calls = []
-    real = ckpt_module._write_tensors
-
-    def crash_on_second_file(path, tensors):
-        calls.append(path)
-        if len(calls) == 2:
-            raise KeyboardInterrupt("killed during the write")
-        return real(path, tensors)
-
-    monkeypatch.setattr(ckpt_module, "_write_tensors", crash_on_second_file)
-    _, params, state, _ = trained_state(1)
-    with pytest.raises(KeyboardInterrupt):
-        save_checkpoint(checkpoint_dir(run, 5), params=params, opt_state=state, step=5, keep_last=1)
-    assert latest_checkpoint(run) == checkpoint_dir(run, 3)
-    assert not checkpoint_dir(run, 5).exists()
-    assert load_checkpoint(latest_checkpoint(run)).step == 3
-    assert checkpoint_dir(run, 1).exists()  # keep_last pruned nothing: the new one never completed
-
-
-def test_a_process_killed_mid_save_leaves_only_a_hidden_temp_dir(run, monkeypatch):
-    # A killed process runs no cleanup: model that by disabling it.
-    monkeypatch.setattr(ckpt_module.shutil, "rmtree", lambda *a, **k: None)
-    monkeypatch.setattr(ckpt_module, "_publish", lambda tmp, final: (_ for _ in ()).throw(SystemExit(9)))
-    _, params, state, _ = trained_state(1)
-    with pytest.raises(SystemExit):
-        save_checkpoint(checkpoint_dir(run, 5), params=params, opt_state=state, step=5)
-    leftovers = [p.name for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
-    assert leftovers and (run / "checkpoints" / leftovers[0] / "manifest.json").exists()
-    assert latest_checkpoint(run) == checkpoint_dir(run, 3)
-
-
-def test_keep_last_prunes_the_oldest_after_the_new_one_is_complete(tmp_path):
+def test_keep_last_keeps_the_newest(tmp_path):
     params = {"w": torch.zeros(2)}
     for step in range(1, 6):
         save_checkpoint(checkpoint_dir(tmp_path, step), params=params, step=step, keep_last=2)
@@ -224,12 +218,14 @@ def test_latest_checkpoint_looks_in_the_run_dir_or_the_folder_itself(run, tmp_pa
 def test_a_state_tree_that_does_not_match_names_the_path(run):
     _, params, _, _ = trained_state(0)
     other = ps.sgd(0.1, momentum=0.9).init(params)
-    with pytest.raises(CheckpointError, match=r"opt_state.safetensors: has no state at '1.trace.layers.0.weight'"):
+    with pytest.raises(CheckpointError, match=r"step_00000003: has no opt_state tensor '1.trace.layers.0.weight', "
+                                              r"which opt_state_like has"):
         load_checkpoint(checkpoint_dir(run, 3), opt_state_like=other)
     wrong_dtype = ps.adamw(1e-2).init({k: v.double() for k, v in params.items()})
     like = trained_state(0)[2]
     like = (like[0], like[1]._replace(inner_state=wrong_dtype))
-    with pytest.raises(CheckpointError, match=r"state '1.inner_state.0.mu.layers.0.bias' is \(4,\) torch.float32"):
+    with pytest.raises(CheckpointError, match=r"opt_state '1.inner_state.0.mu.layers.0.bias' is \[4\] torch.float32 in the "
+                       r"checkpoint, but \[4\] torch.float64 in opt_state_like"):
         load_checkpoint(checkpoint_dir(run, 3), opt_state_like=like)
 
 
@@ -290,3 +286,54 @@ def test_distributed_save_writes_a_dcp_safetensors_checkpoint_that_loads_whole_a
         load_checkpoint(path)
     with pytest.raises(CheckpointError, match="shard-00001-model-00002-of-00003.safetensors: corrupted"):
         ck.load_distributed(path, params=params, opt_state=state)
+
+
+# --------------------------------------------------------------------------- #
+# Checkpoints that cannot be tricked: only sealed files inside the directory are read.
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("name", ["../outside.safetensors", "ABSOLUTE", "sub/params.safetensors", ".params.safetensors",
+                                  "manifest.json", "params.safetensors.bak"])
+def test_a_manifest_cannot_name_a_file_outside_its_directory_or_one_it_does_not_write(tmp_path, name):
+    path = save_checkpoint(tmp_path / "run" / "ck", params={"w": torch.ones(2)}, step=1)
+    if name == "ABSOLUTE":
+        name = str(tmp_path / "elsewhere" / "params.safetensors")
+    target = path / name  # an absolute name replaces the directory altogether
+    if name != "manifest.json":
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path / "params.safetensors", target)  # valid and hashed right: followed, it would load
+    reseal(path, {"params.safetensors": None, name: path / "params.safetensors"})
+    with pytest.raises(CheckpointError, match=f"manifest.json: lists '{name}', which is not a file a 'files' checkpoint"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["files", "dcp"])
+def test_a_symlink_inside_a_checkpoint_is_refused_even_when_its_target_hashes_right(tmp_path, distributed):
+    path = save_checkpoint(tmp_path / "ck", params={"w": torch.ones(2)}, step=1, distributed=distributed)
+    file = next(p for p in sorted(path.iterdir()) if p.name.startswith(("params", "shard-00001-model-00001")))
+    outside = tmp_path / "outside.safetensors"
+    shutil.move(file, outside)
+    file.symlink_to(outside)
+    with pytest.raises(CheckpointError, match=f"{file.name}: is a symlink"):
+        load_checkpoint(path)
+    with pytest.raises(CheckpointError, match=f"{file.name}: is a symlink"):
+        load_distributed(path, params={"w": torch.zeros(2)})
+
+
+def test_an_unlisted_safetensors_file_dropped_into_a_dcp_checkpoint_is_never_read(tmp_path):
+    good = save_checkpoint(tmp_path / "good", params={"w": torch.zeros(3)}, step=1, distributed=True)
+    evil = save_checkpoint(tmp_path / "evil", params={"w": torch.full((3,), 666.0), "backdoor": torch.ones(1)}, step=1,
+                           distributed=True)
+    dropped = []
+    for shard in evil.glob("shard-*"):  # names DCP itself would write for a second rank
+        dropped.append(good / shard.name.replace("shard-00001", "shard-00002"))
+        shutil.copy(shard, dropped[-1])
+    loaded = load_checkpoint(good)
+    assert set(loaded.params) == {"w"} and torch.equal(loaded.params["w"], torch.zeros(3))
+    assert torch.equal(load_distributed(good, params={"w": torch.ones(3)}).params["w"], torch.zeros(3))
+    # Listed and sealed by a tampered manifest, the overlapping shard is refused, never half-loaded.
+    reseal(good, {p.name: p for p in dropped})
+    with pytest.raises(CheckpointError, match=r"shard-00002-model-00001-of-00001.safetensors: the pieces of 'params.w' "
+                                              r"do not tile its shape \[3\] \(overlapping\)"):
+        load_checkpoint(good)

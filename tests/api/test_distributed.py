@@ -1,4 +1,8 @@
-"""FSDP2 on 2 CPU ranks (gloo, torchrun) against one process; CUDA parts gated."""
+"""FSDP2 on 2 ranks (torchrun) against one process; CUDA parts gated.
+
+The 2-rank runs use gloo on the CPU unless the machine has a GPU per rank, so the suite
+passes on a one-GPU machine; the single-process references then run on the CPU too.
+"""
 
 from __future__ import annotations
 
@@ -19,15 +23,25 @@ from ._worker import trainer
 WORKER = Path(__file__).with_name("_worker.py")
 
 
+ON_CPU = torch.cuda.device_count() < 2  # fewer GPUs than ranks: every rank, and the references, on the CPU
+
+
 def torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(WORKER), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **({"CUDA_VISIBLE_DEVICES": ""} if ON_CPU else {})}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out
 
 
-def test_fsdp2_on_two_ranks_matches_one_process_skips_nan_together_and_resumes_on_one(tmp_path):
+@pytest.fixture
+def same_device_as_the_ranks(monkeypatch):
+    """The in-process reference runs where the torchrun ranks run (the CPU when GPUs are fewer than ranks)."""
+    if ON_CPU:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def test_fsdp2_on_two_ranks_matches_one_process_skips_nan_together_and_resumes_on_one(tmp_path, same_device_as_the_ranks):
     # muon_adamw + global-norm clip + EMA: Muon must orthogonalise whole matrices and the
     # clip must use the global norm, or the sharded run drifts from the single one.
     out = torchrun(str(tmp_path / "fsdp"), "fsdp", "8", "--nan-at", "5")
@@ -62,7 +76,7 @@ def test_fsdp2_on_two_ranks_matches_one_process_skips_nan_together_and_resumes_o
         torch.testing.assert_close(resharded.params[k], p.detach(), rtol=1e-3, atol=1e-5)
 
 
-def test_ddp_on_two_ranks_ends_with_the_single_process_params(tmp_path):
+def test_ddp_on_two_ranks_ends_with_the_single_process_params(tmp_path, same_device_as_the_ranks):
     # Same seed and global batch: each rank takes half of every batch, DDP averages the grads.
     torchrun(str(tmp_path / "ddp"), "ddp", "6")
     ref = trainer(tmp_path / "single", "steps=6")
@@ -93,7 +107,7 @@ def test_fsdp2_on_two_gpus_trains(tmp_path):
     assert load_checkpoint(tmp_path / "checkpoints" / "step_00000006").step == 6
 
 
-def test_single_process_checkpoint_resumes_under_fsdp2_on_two_ranks(tmp_path):
+def test_single_process_checkpoint_resumes_under_fsdp2_on_two_ranks(tmp_path, same_device_as_the_ranks):
     # 1 -> 2 ranks: the whole-tensor checkpoint is sharded on load; the run then saves DCP shards.
     trainer(tmp_path / "single", "steps=4").fit()
     shutil.copytree(tmp_path / "single", tmp_path / "fsdp")
@@ -104,3 +118,37 @@ def test_single_process_checkpoint_resumes_under_fsdp2_on_two_ranks(tmp_path):
     assert fsdp.manifest.layout == "dcp" and fsdp.manifest.world_size == 2
     for k, p in ref.named.items():
         torch.testing.assert_close(fsdp.params[k], p.detach(), rtol=1e-3, atol=1e-5)
+
+
+def test_checkpoint_manager_on_two_fsdp2_ranks_falls_back_refuses_shapes_and_fails_saves_together(tmp_path):
+    # Both layouts, FSDP2-sharded params and AdamW state: saved, loaded whole and resharded, a damaged
+    # newest checkpoint skipped by both ranks together, a shape mismatch refused on both, and a save
+    # that fails on rank 1 only fails on both and publishes nothing.
+    torchrun("checkpoint-drill", str(tmp_path))
+    seen = [json.loads((tmp_path / f"seen-{rank}.json").read_text()) for rank in (0, 1)]
+    assert seen[0] | {"rank": 1} == seen[1]  # both ranks saw the same
+    for layout in ("dcp", "files"):
+        assert seen[0][f"{layout}_layout"] == layout
+        assert seen[0][f"{layout}_whole_equal"] and seen[0][f"{layout}_sharded_equal"]
+        assert seen[0][f"{layout}_restored"] == 2 and seen[0][f"{layout}_fallback"] == 1
+        assert "params '1.weight' is [2, 4] torch.float32 in the checkpoint, but [3, 4]" in seen[0][f"{layout}_shape_error"]
+    assert "step_00000003: cannot write the checkpoint: rank 1: No space left on device" in seen[0]["failed_save"]
+    assert seen[0]["after_failed_save"] == ["step_00000001", "step_00000002"]
+
+
+def test_more_ranks_per_node_than_gpus_fails_in_one_line_naming_both_counts(monkeypatch):
+    from purestep.api import distributed as D
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: pytest.fail(f"set_device({d}) before the check"))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    for strategy in ("ddp", "fsdp"):  # every rank fails, rank 0 too: its GPU exists, the launch is still wrong
+        with pytest.raises(ValueError, match=r"^2 processes per node need 2 GPUs, but this node has 1: launch at most") as e:
+            D.setup(strategy)
+        assert len(str(e.value).splitlines()) == 1
+    with pytest.raises(ValueError, match=r"device cuda:3 asked for, but this node has 1 GPU\(s\)"):
+        D.setup("ddp", "cuda:3")

@@ -1,0 +1,297 @@
+"""The one save and the one load behind every public checkpoint function, over either layout.
+
+A save: rank 0 removes crashed saves' leftovers, makes room for `keep_last`, and creates
+a temporary directory; the layout writes into it (rank 0 alone, or every rank's shards);
+rank 0 adds the RNG states and the sealed manifest and publishes the directory with one
+rename. Every rank learns the outcome, so all raise or none does.
+
+A load: rank 0 verifies every file; every rank checks the trees it loads into against
+the checkpoint's tensors, leaf for leaf (name, shape, dtype: never a broadcast), and
+torch.distributed.checkpoint reads each rank's regions from the sealed files.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import random
+import time
+from importlib import metadata as _metadata
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
+
+import msgspec
+import safetensors
+import torch
+from torch import Tensor
+
+import purestep.core as ps
+
+from . import _ckpt_dirs as dirs
+from . import _layout_dcp, _layout_files
+from . import distributed as D
+from ._ckpt_format import GROUPS, MANIFEST, CheckpointError, Manifest, encode_manifest, fsync_dir, read_manifest
+from ._ckpt_format import read_tensors, reason, unwrap, verify_file, write_bytes, write_tensors
+from ._ckpt_reader import Whole, assemble, read_into
+
+_LAYOUT = {"files": _layout_files, "dcp": _layout_dcp}
+ONE = D.World(0, 1, 0, torch.device("cpu"), "single")  # this process alone, whatever process group exists
+
+
+class Checkpoint(NamedTuple):
+    """A loaded checkpoint.
+
+    `params` and (without a `*_like` tree) `opt_state` and `ema` are flat
+    `dict(path -> tensor)`; with a `*_like` tree they are trees of that shape, laid out
+    like its leaves (device, DTensor sharding).
+    """
+
+    params: Any
+    opt_state: Any
+    ema: Any
+    step: int
+    manifest: Manifest
+    rng: dict[str, Tensor]
+
+    def restore_rng(self) -> None:
+        """Set the torch CPU, CUDA and Python `random` generators to their saved states."""
+        if "torch.cpu" in self.rng:
+            torch.set_rng_state(self.rng["torch.cpu"])
+        if torch.cuda.is_available():
+            for key, state in self.rng.items():
+                if key.startswith("torch.cuda.") and int(key.rsplit(".", 1)[1]) < torch.cuda.device_count():
+                    torch.cuda.set_rng_state(state, int(key.rsplit(".", 1)[1]))
+        if self.manifest.python_rng is not None:
+            version, internal, gauss = self.manifest.python_rng
+            random.setstate((version, tuple(internal), gauss))
+
+
+def verify_checkpoint(path: str | os.PathLike) -> Manifest:
+    """The manifest of `path` after checking every file's size and sha256 (CheckpointError naming a bad file)."""
+    root = Path(path)
+    manifest = read_manifest(root)
+    for filename, entry in manifest.files.items():
+        verify_file(root / filename, entry)
+    return manifest
+
+
+def save(final: Path, trees: tuple[Any, Any, Any], *, step: int, world: D.World, layout: str, extras: tuple,
+          rng: bool, keep_last: int | None, is_good: Callable[[Path], bool]) -> Path:
+    """The one save: rank 0 prepares a temporary directory, the layout writes into it, rank 0 seals and publishes."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
+        raise ValueError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
+    state, order = _flat_state(trees)
+    try:
+        config, metadata, data_state = (msgspec.to_builtins(x) for x in (extras[0], extras[1] or {}, extras[2]))
+    except TypeError as e:
+        raise ValueError(f"config, metadata and data_state must be msgspec-encodable plain data: {e}") from None
+    tmp, problem = None, None
+    if world.main:
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            dirs.cleanup(final.parent)
+            if keep_last is not None:  # make room first: at most keep_last checkpoints, the new one included
+                _prune(final, keep_last - 1, is_good)
+            tmp = dirs.temporary(final)
+            tmp.mkdir()
+        except Exception as e:  # noqa: BLE001 - every rank raises it below
+            problem = f"{final}: cannot write the checkpoint: {reason(e)}"
+    tmp, problem = D.broadcast_object((tmp, problem), world)
+    if problem is not None:
+        raise CheckpointError(problem)
+    try:
+        mine, error = _LAYOUT[layout].write(tmp, state, order, world), None
+    except BaseException as e:  # DCP raises its failures as a BaseException; an interrupt inside it stays one
+        if not isinstance(unwrap(e), Exception):
+            raise unwrap(e) from None
+        mine, error = {}, reason(e) if world.size == 1 else f"rank {world.rank}: {reason(e)}"  # rank 0 reports it
+    written = D.gather_object((mine, error), world)
+    outcome = None
+    if world.main:
+        try:
+            errors = [err for _, err in written if err]
+            if errors:
+                raise CheckpointError(f"{final}: cannot write the checkpoint: {errors[0]}")
+            files = {name: entry for rank_files, _ in written for name, entry in rank_files.items()}
+            if rng:
+                files["rng.safetensors"] = write_tensors(tmp / "rng.safetensors", _rng_tensors())
+            manifest = Manifest(
+                step=step, files=dict(sorted(files.items())), versions=_versions(), created_unix=time.time(),
+                config=config, data_state=data_state, metadata=metadata,
+                python_rng=_python_rng() if rng else None, layout=layout, world_size=world.size, order=order,
+            )
+            write_bytes(tmp / MANIFEST, encode_manifest(manifest))
+            fsync_dir(tmp)
+            dirs.publish(tmp, final)
+            if keep_last is not None:
+                _prune(final, keep_last - 1, None)
+        except BaseException as e:
+            dirs.discard(tmp)
+            if not isinstance(e, Exception):
+                raise
+            outcome = str(e) if isinstance(e, CheckpointError) else f"{final}: cannot write the checkpoint: {reason(e)}"
+    outcome = D.broadcast_object(outcome, world)
+    if outcome is not None:
+        raise CheckpointError(outcome)
+    return final
+
+
+def _flat_state(trees: tuple[Any, Any, Any]) -> tuple[dict[str, Tensor], dict[str, list[str]]]:
+    """`group.path -> tensor` for every leaf (DTensors stay DTensors), and each group's paths in order."""
+    state: dict[str, Tensor] = {}
+    order: dict[str, list[str]] = {}
+    for group, tree in zip(GROUPS, trees):
+        if tree is None:
+            continue
+        order[group] = []
+        for path, leaf in ps.tree_flatten_with_path(tree)[0]:
+            if not isinstance(leaf, Tensor):
+                raise ValueError(
+                    f"{group} leaf '{path}' is {type(leaf).__name__}, not a tensor; checkpoints hold tensors only "
+                    "(keep plain values in metadata=...)"
+                )
+            if f"{group}.{path}" in state:
+                raise ValueError(f"{group} has two leaves at path '{path}'")
+            state[f"{group}.{path}"] = leaf.detach()
+            order[group].append(path)
+    return state, order
+
+
+def _prune(final: Path, room: int, is_good: Callable[[Path], bool] | None) -> None:
+    """Delete the oldest checkpoints beside `final` until `room` others are left, sparing the newest good one."""
+    others = [p for p in dirs.candidates(final.parent) if p.name != final.name]
+    excess = len(others) - room
+    if excess <= 0:
+        return
+    spare = next((p for p in others if is_good(p)), None) if is_good is not None else None
+    for path in reversed(others):
+        if excess <= 0:
+            break
+        if path != spare:
+            dirs.retire(path)
+            excess -= 1
+
+
+def verifies(path: Path) -> bool:
+    """Whether every file of the checkpoint `path` checks out."""
+    try:
+        verify_checkpoint(path)
+        return True
+    except CheckpointError:
+        return False
+
+
+def _rng_tensors() -> dict[str, Tensor]:
+    out = {"torch.cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            out[f"torch.cuda.{i}"] = state
+    return out
+
+
+def _python_rng() -> list[Any]:
+    version, internal, gauss = random.getstate()
+    return [version, list(internal), gauss]
+
+
+def _versions() -> dict[str, str]:
+    def version(dist: str) -> str:
+        try:
+            return _metadata.version(dist)
+        except _metadata.PackageNotFoundError:
+            return "unknown"
+
+    return {
+        "purestep": version("purestep"),
+        "torch": str(torch.__version__),
+        "safetensors": safetensors.__version__,
+        "msgspec": msgspec.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def load(root: Path, likes: tuple[Any, Any, Any], names: tuple[str, str, str], world: D.World, *,
+         flat: bool = False, device: torch.device | None = None, verify: bool = True) -> Checkpoint:
+    """The one load: rank 0 verifies, every rank checks the trees against the checkpoint, DCP reads the regions.
+
+    A tree given as None is not loaded, or with `flat` loaded whole as `dict(path -> tensor)` on `device`.
+    """
+    problem = None
+    if world.main:
+        try:
+            (verify_checkpoint if verify else read_manifest)(root)
+        except CheckpointError as e:
+            problem = str(e)
+    problem = D.broadcast_object(problem, world)
+    if problem is not None:
+        raise CheckpointError(problem)
+    try:
+        manifest = read_manifest(root)
+        wholes = assemble(root, _LAYOUT[manifest.layout].chunks(root, manifest))
+        state, plan = _targets(root, manifest, wholes, likes, names, flat, device)
+    except CheckpointError as e:
+        problem = str(e)
+    problem = D.agree(problem, world)
+    if problem is not None:
+        raise CheckpointError(problem)
+    read_into(root, {fqn: wholes[fqn] for fqn in state}, state, distributed=world.size > 1)
+    rng = read_tensors(root / "rng.safetensors") if "rng.safetensors" in manifest.files else {}
+    trees = []
+    for group, present, paths, spec in plan:
+        leaves = [state[f"{group}.{p}"] for p in paths]
+        trees.append(None if not present else dict(zip(paths, leaves)) if spec is None else ps.tree_unflatten(leaves, spec))
+    return Checkpoint(*trees, manifest.step, manifest, rng)
+
+
+def _targets(root: Path, manifest: Manifest, wholes: dict[str, Whole], likes: tuple[Any, Any, Any],
+             names: tuple[str, str, str], flat: bool, device: torch.device | None) -> tuple[dict[str, Tensor], list]:
+    """Empty tensors to load into (`fqn -> tensor`: laid out like the `likes` leaves, or whole on `device`),
+    after checking each tree against the checkpoint leaf for leaf; and per group how to rebuild it:
+    `(group, present, paths, treespec or None for a flat dict)`."""
+    held: dict[str, list[str]] = {}
+    for fqn in wholes:
+        group, path = fqn.split(".", 1) if "." in fqn else (fqn, "")
+        if group not in GROUPS:
+            raise CheckpointError(f"{root / wholes[fqn].chunks[0].file}: holds '{fqn}', which is in no checkpoint tree")
+        held.setdefault(group, []).append(path)
+    state: dict[str, Tensor] = {}
+    plan = []
+    for group, like, what in zip(GROUPS, likes, names):
+        saved = manifest.order.get(group, held.get(group, []))
+        if set(saved) != set(held.get(group, [])):
+            odd = sorted(set(saved) ^ set(held.get(group, [])))[0]
+            raise CheckpointError(f"{root / MANIFEST}: the manifest and the files disagree on {group} tensor '{odd}'")
+        present = group in manifest.order or group in held
+        if like is None:
+            if group == "params" and not present:
+                raise CheckpointError(f"{root / MANIFEST}: the checkpoint holds no params")
+            for path in saved if flat else ():
+                w = wholes[f"{group}.{path}"]
+                state[f"{group}.{path}"] = torch.empty(w.shape, dtype=w.dtype, device=device)
+            plan.append((group, present and flat, saved, None))
+            continue
+        if not present:
+            raise CheckpointError(f"{root}: the checkpoint holds no {group}, but {what} was given")
+        pairs, spec = ps.tree_flatten_with_path(like)
+        for path, ref in pairs:
+            if not isinstance(ref, Tensor):
+                raise ValueError(f"{what} leaf '{path}' is {type(ref).__name__}, not a tensor")
+            w = wholes.get(f"{group}.{path}")
+            if w is None:
+                raise CheckpointError(
+                    f"{root}: has no {group} tensor '{path}', which {what} has "
+                    f"(the checkpoint has {len(saved)} {group} tensors, e.g. {saved[:3]})"
+                )
+            if w.shape != tuple(ref.shape) or w.dtype != ref.dtype:
+                raise CheckpointError(
+                    f"{root}: {group} '{path}' is {list(w.shape)} {w.dtype} in the checkpoint, "
+                    f"but {list(ref.shape)} {ref.dtype} in {what}"
+                )
+            state[f"{group}.{path}"] = torch.empty_like(ref.detach())
+        extra = sorted(set(saved) - {p for p, _ in pairs})
+        if extra:
+            raise CheckpointError(f"{root}: has {group} tensor '{extra[0]}', which {what} lacks ({len(extra)} extra)")
+        plan.append((group, True, [p for p, _ in pairs], spec))
+    return state, plan

@@ -1,0 +1,57 @@
+"""The plain layout: one safetensors file per tree, written whole by rank 0.
+
+    params.safetensors      name -> tensor
+    opt_state.safetensors   optimizer state, flattened by key path (`0.mu.layers.0.weight`)
+    ema.safetensors         the EMA tree, flattened by key path
+
+Under FSDP2 the DTensor leaves are gathered first (a collective), so any world writes
+and reads the same files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import Tensor
+
+from . import distributed as D
+from ._ckpt_format import DTYPES, GROUPS, FileEntry, Manifest, read_header, write_tensors
+from ._ckpt_reader import Chunk
+
+NAME = "files"
+
+
+def write(tmp: Path, state: dict[str, Tensor], order: dict[str, list[str]], world: D.World) -> dict[str, FileEntry]:
+    """Rank 0 writes one file per group into `tmp` (every rank calls: DTensors are gathered); its files."""
+    state = D.full_tree(state)
+    if not world.main:
+        return {}
+    files = {}
+    for group in GROUPS:
+        if group in order:
+            tensors = _host({path: state[f"{group}.{path}"] for path in order[group]})
+            files[f"{group}.safetensors"] = write_tensors(tmp / f"{group}.safetensors", tensors)
+    return files
+
+
+def _host(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """CPU, contiguous, and no two sharing memory (safetensors refuses tied weights): each gets its own."""
+    out, seen = {}, set()
+    for path, t in tensors.items():
+        t = t.detach().to("cpu").contiguous()
+        if t.numel() and t.untyped_storage().data_ptr() in seen:
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        out[path] = t
+    return out
+
+
+def chunks(root: Path, manifest: Manifest) -> list[Chunk]:
+    """One chunk per tensor, at offset 0, from the listed group files."""
+    out = []
+    for name in manifest.files:
+        group = name.removesuffix(".safetensors")
+        if group in GROUPS:
+            rows, _ = read_header(root / name)
+            out += [Chunk(f"{group}.{key}", name, key, (0,) * len(shape), shape, DTYPES[code]) for key, shape, code in rows]
+    return out

@@ -74,6 +74,7 @@ from ._schedules import piecewise_constant_schedule as piecewise_constant_schedu
 from ._schedules import warmup_cosine_schedule as warmup_cosine_schedule
 from ._schedules import wsd_schedule as wsd_schedule
 from ._scaling import ScaleByAdamState as ScaleByAdamState
+from ._scaling import ScaleByAmsgradState as ScaleByAmsgradState
 from ._scaling import ScaleByLionState as ScaleByLionState
 from ._scaling import ScaleByLrState as ScaleByLrState
 from ._scaling import TraceState as TraceState
@@ -87,8 +88,12 @@ from ._tree import apply_updates as apply_updates
 from ._tree import apply_updates_ as apply_updates_
 from ._tree import tree_cast as tree_cast
 from ._tree import tree_flatten_with_path as tree_flatten_with_path
+from ._tree import step_count as step_count
+from ._tree import tree_flatten as tree_flatten
 from ._tree import tree_get as tree_get
 from ._tree import tree_global_norm as tree_global_norm
+from ._tree import tree_leaves as tree_leaves
+from ._tree import tree_map as tree_map
 from ._tree import tree_map_with_path as tree_map_with_path
 from ._tree import tree_paths as tree_paths
 from ._tree import tree_set as tree_set
@@ -105,7 +110,11 @@ __all__ = [
     "apply_updates_",
     "tree_get",
     "tree_set",
+    "step_count",
+    "tree_map",
     "tree_map_with_path",
+    "tree_leaves",
+    "tree_flatten",
     "tree_flatten_with_path",
     "tree_unflatten",
     "tree_paths",
@@ -138,6 +147,7 @@ __all__ = [
     "ScaleByLrState",
     "TraceState",
     "ScaleByAdamState",
+    "ScaleByAmsgradState",
     "ScaleByLionState",
     "AddDecayedWeightsState",
     # clipping

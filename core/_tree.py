@@ -33,6 +33,40 @@ def path_str(path: Sequence[Any]) -> str:
     return ".".join(_key_str(k) for k in path)
 
 
+def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
+    """`fn(leaf, *other_leaves)` over every leaf of `tree` (and the same leaves of `rest`).
+
+    Example:
+        >>> import torch, purestep.core as ps
+        >>> ps.tree_map(lambda m, g: 0.9 * m + g, {"w": torch.ones(2)}, {"w": torch.ones(2)})
+        {'w': tensor([1.9000, 1.9000])}
+    """
+    return pytree.tree_map(fn, tree, *rest)
+
+
+def tree_leaves(tree: PyTree) -> list[Any]:
+    """The leaves of `tree`, in flatten order.
+
+    Example:
+        >>> import torch, purestep.core as ps
+        >>> ps.tree_leaves({"b": torch.zeros(1), "a": (torch.ones(1), torch.ones(2))})
+        [tensor([0.]), tensor([1.]), tensor([1., 1.])]
+    """
+    return pytree.tree_leaves(tree)
+
+
+def tree_flatten(tree: PyTree) -> tuple[list[Any], pytree.TreeSpec]:
+    """The leaves of `tree` and the spec that `tree_unflatten` rebuilds it from.
+
+    Example:
+        >>> import torch, purestep.core as ps
+        >>> leaves, spec = ps.tree_flatten({"w": torch.ones(2)})
+        >>> ps.tree_unflatten([2 * x for x in leaves], spec)
+        {'w': tensor([2., 2.])}
+    """
+    return pytree.tree_flatten(tree)
+
+
 def tree_flatten_with_path(tree: PyTree) -> tuple[list[tuple[str, Any]], pytree.TreeSpec]:
     """Leaves with their dotted paths, and the spec to rebuild the tree.
 
@@ -47,7 +81,7 @@ def tree_flatten_with_path(tree: PyTree) -> tuple[list[tuple[str, Any]], pytree.
 
 
 def tree_unflatten(leaves: Sequence[Any], spec: pytree.TreeSpec) -> PyTree:
-    """Rebuild a tree from its leaves and spec (the inverse of `tree_flatten_with_path`)."""
+    """Rebuild a tree from its leaves and spec (the inverse of `tree_flatten` and `tree_flatten_with_path`)."""
     return pytree.tree_unflatten(list(leaves), spec)
 
 
@@ -57,12 +91,25 @@ def tree_paths(tree: PyTree) -> list[str]:
 
 
 def tree_map_with_path(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
-    """`fn(path, leaf, *other_leaves)` over every leaf; `path` is the dotted string."""
+    """`fn(path, leaf, *other_leaves)` over every leaf; `path` is the dotted string.
+
+    Example:
+        >>> import torch, purestep.core as ps
+        >>> ps.tree_map_with_path(lambda path, x: x.dim() >= 2 and "bias" not in path,
+        ...                       {"fc.weight": torch.ones(2, 2), "fc.bias": torch.ones(2)})
+        {'fc.weight': True, 'fc.bias': False}
+    """
     return pytree.tree_map_with_path(lambda p, *xs: fn(path_str(p), *xs), tree, *rest)
 
 
 def tree_zeros_like(tree: PyTree) -> PyTree:
-    """A tree of zeros shaped and typed like `tree`."""
+    """A tree of zeros shaped and typed like `tree` (a momentum buffer at init).
+
+    Example:
+        >>> import torch, purestep.core as ps
+        >>> ps.tree_zeros_like({"w": torch.ones(2, dtype=torch.float64)})
+        {'w': tensor([0., 0.], dtype=torch.float64)}
+    """
     return pytree.tree_map(torch.zeros_like, tree)
 
 
@@ -149,7 +196,8 @@ def _unique(tree: PyTree, name: str) -> tuple[tuple, Any]:
         names = sorted({str(k) for k, _ in _walk_keys(tree)})
         raise KeyError(f"no field or entry named {name!r} in the tree; names present: {', '.join(names)}")
     paths = ", ".join(path_str(p) for p, _ in found)
-    raise KeyError(f"{name!r} is ambiguous: found at {paths}; reach one with tree_get on a sub-state")
+    hint = "; for the number of updates applied use ps.step_count(state)" if name == "count" else ""
+    raise KeyError(f"{name!r} is ambiguous: found at {paths}; reach one with tree_get on a sub-state{hint}")
 
 
 def _walk_keys(tree: Any) -> Iterator[tuple[Any, Any]]:
@@ -200,6 +248,55 @@ def tree_set(tree: PyTree, name: str, value: Any) -> PyTree:
     """
     path, _ = _unique(tree, name)
     return _replace(tree, path, value)
+
+
+def _is_counter(key: Any, x: Any) -> bool:
+    return key == "count" and isinstance(x, Tensor) and x.dim() == 0 and not x.is_floating_point()
+
+
+def step_count(state: PyTree) -> Tensor:
+    """The number of updates applied: the outermost step counter of an optimizer state.
+
+    The counter is the `count` field nearest the root of `state` (breadth first; among
+    counters at one depth, the first in flatten order). Every counter in purestep counts
+    the updates of its own transform, so within one state they agree, except across the
+    wrappers that hold an inner state back: calls that `apply_if_finite` skips and calls
+    that `accumulate` only accumulates leave their inner state, and so its counter,
+    unchanged. Hence `step_count` counts updates applied to params, not calls, for
+    `apply_if_finite(adamw(...))` and `accumulate(adamw(...), every=k)` (k calls, one
+    update). `inject_hyperparams`, `schedule_free_adamw`, `muon_adamw` (both sides count)
+    and chains of several counters give the same number. It is the step a schedule
+    sees: the first update runs at step 0, after it `step_count` is 1.
+
+    Returns the 0-d int64 tensor itself (no copy, no host sync).
+
+    Raises:
+      KeyError: when no part of the optimizer keeps a counter (`ps.sgd(0.1)` with a
+        constant lr and no momentum keeps no state); wrap it in
+        `ps.inject_hyperparams(...)` to count.
+
+    Example:
+        >>> import torch, purestep.core as ps
+        >>> opt = ps.chain(ps.clip_by_running_norm(), ps.adamw(lr=ps.cosine_schedule(1e-3, 100)))
+        >>> params = {"w": torch.zeros(2)}
+        >>> state = opt.init(params)
+        >>> _, state = opt.update({"w": torch.ones(2)}, state, params)
+        >>> ps.step_count(state)
+        tensor(1)
+    """
+    level = [state]
+    while level:
+        deeper = []
+        for node in level:
+            for key, child in _children(node):
+                if _is_counter(key, child):
+                    return child
+                deeper.append(child)
+        level = deeper
+    raise KeyError(
+        "this state keeps no step counter (e.g. ps.sgd with a constant lr and no momentum keeps no "
+        "state at all); build the optimizer with ps.inject_hyperparams(factory)(...) to count its updates"
+    )
 
 
 def replace_at(tree: PyTree, path: tuple, value: Any) -> PyTree:
@@ -256,13 +353,11 @@ def use_foreach(xs: Sequence[Tensor], *scalars: Scalar) -> bool:
     """Whether foreach kernels may run: not under a torch.func transform, and not with a
     0-d tensor `scalar` that autograd differentiates (foreach's backward for a tensor
     scalar fails: "inconsistent range for TensorList output"; meta-gradients need it)."""
-    if not xs:
-        return False
+    if not xs or torch._C._functorch.peek_interpreter_stack() is not None:
+        return False  # under vmap/grad, also when torch.compile traces vmap(step)
     if torch.compiler.is_compiling():
         return True
-    if torch.is_grad_enabled() and any(isinstance(s, Tensor) and s.requires_grad for s in scalars):
-        return False
-    return torch._C._functorch.peek_interpreter_stack() is None
+    return not (torch.is_grad_enabled() and any(isinstance(s, Tensor) and s.requires_grad for s in scalars))
 
 
 def _owned_inplace(xs: list[Tensor]) -> bool:

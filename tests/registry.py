@@ -102,11 +102,12 @@ SCHEDULE_CHECKS: dict[str, dict[str, Any]] = {
 # Public names that are not transforms or schedules (types, states, tree utilities).
 NOT_TRANSFORMS = {
     "Transform", "EmptyState", "Schedule",
-    "apply_updates", "apply_updates_", "tree_get", "tree_set", "tree_map_with_path",
+    "apply_updates", "apply_updates_", "tree_get", "tree_set", "step_count", "tree_map", "tree_leaves",
+    "tree_flatten", "tree_map_with_path",
     "tree_flatten_with_path", "tree_unflatten", "tree_paths", "tree_zeros_like",
     "tree_global_norm", "tree_cast", "set_hyperparam", "get_hyperparams",
     "MaskedState", "PartitionState", "InjectHyperparamsState", "ApplyIfFiniteState",
-    "AccumulateState", "ScaleByLrState", "TraceState", "ScaleByAdamState",
+    "AccumulateState", "ScaleByLrState", "TraceState", "ScaleByAdamState", "ScaleByAmsgradState",
     "ScaleByLionState", "AddDecayedWeightsState",
     "ClipByGlobalNormState", "ClipByRunningNormState",
     "decay_mask", "layerwise_lr_decay",

@@ -135,3 +135,63 @@ def test_an_update_is_differentiable_with_torch_func_grad():
     eps = 1e-6
     fd = (after_two_steps(lr + eps) - after_two_steps(lr - eps)) / (2 * eps)
     torch.testing.assert_close(meta, fd, rtol=1e-6, atol=1e-9)
+
+
+# --------------------------------------------------------------------------- #
+# The helpers a transform author needs, and step_count.
+# --------------------------------------------------------------------------- #
+
+
+def test_tree_map_leaves_and_flatten_work_on_nested_states():
+    tree = {"a": [torch.zeros(1), Pair(torch.tensor(3), {"w": torch.ones(2)})]}
+    doubled = ps.tree_map(lambda x: 2 * x, tree)
+    assert isinstance(doubled["a"][1], Pair) and int(doubled["a"][1].count) == 6
+    assert [x.tolist() for x in ps.tree_leaves(doubled)] == [[0.0], 6, [2.0, 2.0]]
+    leaves, spec = ps.tree_flatten(tree)
+    summed = ps.tree_map(torch.add, tree, ps.tree_unflatten(leaves, spec))
+    assert torch.equal(summed["a"][1].mu["w"], torch.full((2,), 2.0))
+
+
+def _steps(opt, n, params=None, grads=None):
+    params = params or {"embed.weight": torch.ones(3, 2), "h.0.weight": torch.ones(2, 2), "h.0.bias": torch.ones(2)}
+    state = opt.init(params)
+    for i in range(n):
+        g = grads(i) if grads else ps.tree_map(lambda p: torch.full_like(p, 0.1 * (i + 1)), params)
+        _, state = opt.update(g, state, params)
+    return state
+
+
+@pytest.mark.parametrize(
+    "opt",
+    [
+        ps.adamw(lr=ps.cosine_schedule(1e-3, 10), weight_decay=ps.linear_schedule(0.1, 0.0, 10)),  # 4 counters
+        ps.chain(ps.clip_by_running_norm(), ps.sgd(0.1, momentum=0.9)),
+        ps.inject_hyperparams(ps.adamw)(lr=1e-3),
+        ps.schedule_free_adamw(1e-3, warmup_steps=2),
+        ps.muon_adamw(ns_dtype=torch.float32),
+        ps.masked(ps.lion(1e-3), {"embed.weight": True, "h.0.weight": False, "h.0.bias": True}),
+    ],
+    ids=["scheduled_adamw", "running_clip_sgd", "inject_hyperparams", "schedule_free", "muon_adamw", "masked"],
+)
+def test_step_count_is_the_number_of_updates_applied(opt):
+    state = _steps(opt, 4)
+    assert ps.step_count(state).dtype == torch.int64 and int(ps.step_count(state)) == 4
+
+
+def test_step_count_leaves_out_skipped_and_accumulating_calls():
+    nan_at_1 = lambda i: {"w": torch.tensor([float("nan") if i == 1 else 1.0])}  # noqa: E731
+    state = _steps(ps.apply_if_finite(ps.adam(1e-3)), 4, {"w": torch.zeros(1)}, nan_at_1)
+    assert int(ps.step_count(state)) == 3 and int(state.total_notfinite) == 1
+    state = _steps(ps.accumulate(ps.adam(1e-3), every=3), 7, {"w": torch.zeros(1)})
+    assert int(ps.step_count(state)) == 2  # 7 calls: two updates, one grad waiting
+    # The outermost counter wins: inject_hyperparams outside apply_if_finite counts every call.
+    outer = ps.inject_hyperparams(lambda lr: ps.apply_if_finite(ps.adam(lr)))(lr=1e-3)
+    assert int(ps.step_count(_steps(outer, 4, {"w": torch.zeros(1)}, nan_at_1))) == 4
+
+
+def test_step_count_without_a_counter_says_how_to_get_one_and_tree_get_points_to_it():
+    with pytest.raises(KeyError, match="inject_hyperparams"):
+        ps.step_count(ps.sgd(0.1).init({"w": torch.zeros(1)}))
+    state = ps.adamw(lr=ps.cosine_schedule(1e-3, 10)).init({"w": torch.zeros(1)})
+    with pytest.raises(KeyError, match="ps.step_count"):
+        ps.tree_get(state, "count")

@@ -371,11 +371,28 @@ class ApplyIfFiniteState(NamedTuple):
 
 
 def apply_if_finite(inner: Transform, max_consecutive: int | None = None) -> Transform:
-    """Skip the update (zeros, inner state unchanged) when any grad is non-finite.
+    """Skip the update (zeros, inner state unchanged) when any grad, or any value of the
+    inner state it would produce, is non-finite.
 
-    After more than `max_consecutive` non-finite steps in a row the update is applied
-    anyway (as `optax.apply_if_finite`), so a run that only produces NaNs fails visibly;
-    `None` skips forever.
+    The state check catches a huge but finite grad that overflows the state: g = 1e30
+    makes Adam's float32 second moment inf, after which every update would be 0. Skipped
+    steps are counted in `notfinite_count` (in a row) and `total_notfinite`, and do not
+    advance the inner state's step counter (`ps.step_count`). After more than
+    `max_consecutive` non-finite steps in a row the update is applied anyway (as
+    `optax.apply_if_finite`), so a run that only produces NaNs fails visibly; `None`
+    skips forever.
+
+    Warning:
+        Unlike `optax.apply_if_finite`, which looks at the grads only, the new inner state
+        is checked too (one extra read of it per step).
+
+    Example:
+        >>> import torch, purestep.core as ps
+        >>> opt = ps.apply_if_finite(ps.adam(1e-3))
+        >>> params = {"w": torch.zeros(2)}
+        >>> _, state = opt.update({"w": torch.full((2,), 1e30)}, opt.init(params), params)
+        >>> int(state.total_notfinite), bool(torch.isfinite(ps.tree_get(state, "nu")["w"]).all())
+        (1, True)
     """
     if max_consecutive is not None and (isinstance(max_consecutive, bool) or max_consecutive < 0):
         raise ValueError(f"max_consecutive must be an int >= 0 or None, got {max_consecutive!r}")
@@ -385,10 +402,11 @@ def apply_if_finite(inner: Transform, max_consecutive: int | None = None) -> Tra
         return ApplyIfFiniteState(z, torch.ones((), dtype=torch.bool, device=z.device), z.clone(), inner.init(params))
 
     def update(grads, state, params=None, **extra):
-        finite = tr.all_finite(pytree.tree_leaves(grads)).to(state.last_finite.device)
+        updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
+        floats = [x for x in pytree.tree_leaves(inner_state) if isinstance(x, Tensor) and x.is_floating_point()]
+        finite = tr.all_finite(pytree.tree_leaves(grads) + floats).to(state.last_finite.device)
         notfinite = torch.where(finite, torch.zeros_like(state.notfinite_count), state.notfinite_count + 1)
         apply = finite if max_consecutive is None else finite | (notfinite > max_consecutive)
-        updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
         updates = pytree.tree_map(lambda u: torch.where(apply, u, torch.zeros_like(u)), updates)
         inner_state = _select_tree(apply, inner_state, state.inner_state)
         total = state.total_notfinite + (~finite).to(torch.int64)

@@ -165,6 +165,23 @@ def test_apply_if_finite_skips_a_nan_step_as_if_it_never_came():
     assert bool(s_skip.last_finite)
 
 
+def test_apply_if_finite_skips_a_finite_grad_that_overflows_the_state():
+    # g = 1e30 is finite, but Adam's float32 second moment (1-β₂)·g² = 1e57 is not: without the
+    # state check every later update would be 0 (m / √inf) and the inf would be checkpointed.
+    params = make_params(torch.float32)
+    good = [grads_like(params, i) for i in range(5)]
+    huge = {k: torch.full_like(v, 1e30) for k, v in params.items()}
+    opt = ps.apply_if_finite(ps.adam(1e-2))
+    p_ref, s_ref, _ = run(opt, params, good)
+    p_skip, s_skip, outs = run(opt, params, good[:2] + [huge] + good[2:])
+    assert all(torch.count_nonzero(u) == 0 for u in outs[2].values())
+    assert all(bool(torch.isfinite(x).all()) for x in pytree.tree_leaves(s_skip))
+    assert_trees_equal(p_ref, p_skip)
+    assert_trees_equal(s_ref.inner_state, s_skip.inner_state)
+    assert int(s_skip.total_notfinite) == 1 and int(ps.step_count(s_skip)) == 5
+    assert all(torch.count_nonzero(u) > 0 for u in outs[-1].values())
+
+
 def test_apply_if_finite_applies_after_max_consecutive_failures():
     params = make_params()
     inf_grads = {k: torch.full_like(v, float("inf")) for k, v in params.items()}

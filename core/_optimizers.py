@@ -9,7 +9,7 @@ import torch
 from ._base import ScalarOrSchedule, Transform, check_betas, check_hyperparam, check_nonnegative, check_positive, is_static
 from ._combine import chain, identity, masked, partition
 from ._decay import add_decayed_weights
-from ._scaling import scale_by_adam, scale_by_lion, scale_by_lr, scale_by_trust_ratio, trace
+from ._scaling import scale, scale_by_adam, scale_by_lion, scale_by_lr, scale_by_trust_ratio, trace
 from ._muon import NS5_COEFFICIENTS, Coefficients, muon_labels, scale_by_muon
 from ._schedule_free import schedule_free, warmup_lr
 from ._sophia import scale_by_sophia
@@ -29,17 +29,28 @@ def _check_lr(lr: Any) -> None:
     check_nonnegative("lr", lr)
 
 
+def _signed(maximize: bool, *transforms: Transform) -> Transform:
+    # torch.optim negates the grad first, before L2 decay: g ← -g ascends the objective.
+    return chain(scale(-1.0), *transforms) if maximize else chain(*transforms)
+
+
 def sgd(
     lr: ScalarOrSchedule,
     momentum: ScalarOrSchedule = 0.0,
     dampening: float = 0.0,
     nesterov: bool = False,
     weight_decay: ScalarOrSchedule = 0.0,
+    *,
+    maximize: bool = False,
 ) -> Transform:
     """Stochastic gradient descent with momentum, = `torch.optim.SGD`.
 
     g ← g + λ·p;  b ← μ·b + (1 - τ)·g  (b₁ = g);  p ← p - η·(g + μ·b if nesterov else b),
     with η = `lr`, μ = `momentum`, τ = `dampening`, λ = `weight_decay` (L2, in the grad).
+
+    Args:
+      maximize: ascend the objective: g ← -g before anything else, as torch.optim does
+        (the chain then starts with `scale(-1.0)`).
 
     Example:
         >>> import torch, purestep.core as ps
@@ -62,7 +73,7 @@ def sgd(
     if nesterov and (_is_zero(momentum) or (is_static(dampening) and dampening != 0)):
         raise ValueError("nesterov=True needs momentum > 0 and dampening=0 (as torch.optim.SGD)")
     momentum_step = identity() if _is_zero(momentum) else trace(momentum, nesterov, dampening=dampening)
-    return chain(_decay(weight_decay), momentum_step, scale_by_lr(lr))
+    return _signed(maximize, _decay(weight_decay), momentum_step, scale_by_lr(lr))
 
 
 def adam(
@@ -70,12 +81,20 @@ def adam(
     betas: tuple[ScalarOrSchedule, ScalarOrSchedule] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: ScalarOrSchedule = 0.0,
+    *,
+    amsgrad: bool = False,
+    maximize: bool = False,
 ) -> Transform:
     """Adam with L2 weight decay in the gradient, = `torch.optim.Adam`.
 
     g ← g + λ·p;  m ← β₁·m + (1-β₁)·g;  v ← β₂·v + (1-β₂)·g²;
     p ← p - η · (m / (1-β₁ᵗ)) / (√(v / (1-β₂ᵗ)) + ε),
     with η = `lr`, (β₁, β₂) = `betas`, ε = `eps`, λ = `weight_decay`, t the step from 1.
+
+    Args:
+      amsgrad: use v̂ ← max over steps of v in the denominator (Reddi et al. 2018), as
+        torch.optim does: the max of the raw v, bias-corrected after (state field `nu_max`).
+      maximize: ascend the objective: g ← -g before the L2 term, as torch.optim does.
 
     Example:
         >>> import torch, purestep.core as ps
@@ -92,7 +111,7 @@ def adam(
     b1, b2 = check_betas(betas)
     check_hyperparam("weight_decay", weight_decay)
     check_nonnegative("weight_decay", weight_decay)
-    return chain(_decay(weight_decay), scale_by_adam(b1, b2, eps), scale_by_lr(lr))
+    return _signed(maximize, _decay(weight_decay), scale_by_adam(b1, b2, eps, amsgrad=amsgrad), scale_by_lr(lr))
 
 
 def adamw(
@@ -101,6 +120,9 @@ def adamw(
     eps: float = 1e-8,
     weight_decay: ScalarOrSchedule = 0.01,
     mask: Any = None,
+    *,
+    amsgrad: bool = False,
+    maximize: bool = False,
 ) -> Transform:
     """Adam with decoupled weight decay, = `torch.optim.AdamW`.
 
@@ -110,6 +132,8 @@ def adamw(
     Args:
       mask: where to decay: a bool pytree like params or `callable(params)`,
         e.g. `ps.decay_mask`. None decays every leaf, as torch.optim.AdamW does.
+      amsgrad: the running max of v in the denominator, as in `adam`.
+      maximize: ascend the objective (g ← -g); the decay still shrinks p, as torch.optim does.
 
     Example:
         >>> import torch, purestep.core as ps
@@ -126,7 +150,7 @@ def adamw(
     b1, b2 = check_betas(betas)
     check_hyperparam("weight_decay", weight_decay)
     check_nonnegative("weight_decay", weight_decay)
-    return chain(scale_by_adam(b1, b2, eps), _decay(weight_decay, mask), scale_by_lr(lr))
+    return _signed(maximize, scale_by_adam(b1, b2, eps, amsgrad=amsgrad), _decay(weight_decay, mask), scale_by_lr(lr))
 
 
 def lion(

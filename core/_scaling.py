@@ -139,18 +139,43 @@ class ScaleByAdamState(NamedTuple):
     nu: Params
 
 
+class ScaleByAmsgradState(NamedTuple):
+    """State of `scale_by_adam(amsgrad=True)`: the moments and the running max of ν."""
+
+    count: Tensor  # (), int64
+    mu: Params
+    nu: Params
+    nu_max: Params  # max over steps of ν (torch.optim.Adam's max_exp_avg_sq)
+
+
 def scale_by_adam(
-    b1: ScalarOrSchedule = 0.9, b2: ScalarOrSchedule = 0.999, eps: float = 1e-8, *, eps_root: float = 0.0
+    b1: ScalarOrSchedule = 0.9,
+    b2: ScalarOrSchedule = 0.999,
+    eps: float = 1e-8,
+    *,
+    eps_root: float = 0.0,
+    amsgrad: bool = False,
 ) -> Transform:
-    """Adam's preconditioner, `m̂ / (√(v̂ + eps_root) + eps)`; see `adam` for the rule."""
+    """Adam's preconditioner, `m̂ / (√(v̂ + eps_root) + eps)`; see `adam` for the rule.
+
+    With `amsgrad`, v̂ is built from ν_max ← max(ν_max, ν), the running max of the raw
+    second moment, bias-corrected afterwards, as `torch.optim.Adam(amsgrad=True)` does
+    (the state is then a `ScaleByAmsgradState`).
+
+    Warning:
+        `optax.scale_by_amsgrad` takes the max of the bias-corrected moment instead; the
+        two differ while the bias correction still changes.
+    """
     check_betas((b1, b2), "betas")
     check_hyperparam("eps", eps)
     check_positive("eps", eps)
     check_nonnegative("eps_root", eps_root)
 
-    def init(params: Params) -> ScaleByAdamState:
+    def init(params: Params) -> ScaleByAdamState | ScaleByAmsgradState:
         leaves = pytree.tree_leaves(params)
         zeros = tr.tree_zeros_like(params)
+        if amsgrad:
+            return ScaleByAmsgradState(zero_count(leaf_device(leaves)), zeros, tr.tree_zeros_like(params), tr.tree_zeros_like(params))
         return ScaleByAdamState(zero_count(leaf_device(leaves)), zeros, tr.tree_zeros_like(params))
 
     def update(grads, state, params=None, **extra):
@@ -164,14 +189,18 @@ def scale_by_adam(
         t = (state.count + 1).to(torch.float64)
         bc1 = 1.0 - beta1**t
         bc2 = 1.0 - beta2**t
+        if amsgrad:
+            nu_max = [torch.maximum(a, b) for a, b in zip(pytree.tree_leaves(state.nu_max), nu)]
         # u = (m / bc1) / (√(v / bc2 + eps_root) + eps)
         # (intermediates are updated in place: in eager mode allocation costs more than math)
-        denom = tr.mul(nu, 1.0 / bc2)
+        denom = tr.mul(nu_max if amsgrad else nu, 1.0 / bc2)
         if eps_root:
             denom = tr.add_scalar_(denom, eps_root)
         denom = tr.add_scalar_(tr.sqrt_(denom), eps)
         out = tr.cast_like(tr.mul_(tr.div_into_(mu, denom), 1.0 / bc1), gs)
         new_state = ScaleByAdamState(state.count + 1, pytree.tree_unflatten(mu, spec), pytree.tree_unflatten(nu, spec))
+        if amsgrad:
+            new_state = ScaleByAmsgradState(*new_state, pytree.tree_unflatten(nu_max, spec))
         return pytree.tree_unflatten(out, spec), new_state
 
     return Transform(init, update)

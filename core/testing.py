@@ -2,7 +2,8 @@
 
 `check_transform(factory)` runs the invariants purestep checks on itself on any
 transform: purity, state stability, update structure, finite outputs (all-zero,
-huge and tiny grads included), determinism, composition with `chain`/`masked`,
+huge and tiny grads included), determinism, replay (no state hidden outside the
+returned state), composition with `chain`/`masked`,
 and optionally parity with a `torch.optim` reference and no recompilation under
 `torch.compile`. Opt-in properties: `check_decoupled_decay`,
 `check_scale_invariance`, `check_bounded_updates`, and `check_schedule` for any
@@ -55,8 +56,8 @@ __all__ = [
 ]
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
-# Grad magnitudes drawn; hypothesis shrinks toward the first.
-GRAD_KINDS = ("normal", "zeros", "huge", "tiny", "mixed")
+# Grad magnitudes drawn; hypothesis tries the first in its simplest example and shrinks toward it.
+GRAD_KINDS = ("zeros", "normal", "huge", "tiny", "mixed")
 _MAGNITUDE = {"normal": 1.0, "zeros": 0.0, "huge": 1e10, "tiny": 1e-10}
 
 # One per-dtype tolerance table (rtol, atol) for every numeric comparison in the kit.
@@ -66,7 +67,9 @@ TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.bfloat16: (2e-2, 1e-3),
 }
 
-DEFAULT_CHECKS = ("purity", "state_stability", "update_structure", "finite_outputs", "determinism", "composition")
+DEFAULT_CHECKS = (
+    "purity", "state_stability", "update_structure", "finite_outputs", "determinism", "replay", "composition"
+)
 
 
 class InvariantError(AssertionError):
@@ -82,16 +85,16 @@ class InvariantError(AssertionError):
 # --------------------------------------------------------------------------- #
 
 
-def _tensor(shape: Sequence[int], dtype: torch.dtype, magnitude: float, seed: int) -> Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(tuple(shape), generator=gen, dtype=torch.float64) * magnitude).to(dtype)
+def _tensor(shape: Sequence[int], dtype: torch.dtype, magnitude: float, seed: int, device: Any = "cpu") -> Tensor:
+    gen = torch.Generator().manual_seed(seed)  # drawn on the CPU: the same values on every device
+    return (torch.randn(tuple(shape), generator=gen, dtype=torch.float64) * magnitude).to(device=device, dtype=dtype)
 
 
 def _grads_like(params: dict[str, Tensor], kind: str, seed: int, *, nonnegative: bool = False) -> dict[str, Tensor]:
     out = {}
     for i, (name, p) in enumerate(params.items()):
         leaf_kind = ("normal", "zeros", "huge", "tiny")[(seed + i) % 4] if kind == "mixed" else kind
-        g = _tensor(p.shape, p.dtype, _MAGNITUDE[leaf_kind], seed * 1009 + i)
+        g = _tensor(p.shape, p.dtype, _MAGNITUDE[leaf_kind], seed * 1009 + i, p.device)
         out[name] = g.abs() if nonnegative else g
     return out
 
@@ -143,8 +146,10 @@ def _layouts(min_leaves, max_leaves, min_rank, max_rank, max_side, dtypes):
     return st.lists(leaf, min_size=min_leaves, max_size=max_leaves)
 
 
-def _build_params(layout, seed: int, zero: bool) -> dict[str, Tensor]:
-    return {f"p{i}": _tensor(shape, dtype, 0.0 if zero else 1.0, seed + i) for i, (shape, dtype) in enumerate(layout)}
+def _build_params(layout, seed: int, zero: bool, device: Any = "cpu") -> dict[str, Tensor]:
+    return {
+        f"p{i}": _tensor(shape, dtype, 0.0 if zero else 1.0, seed + i, device) for i, (shape, dtype) in enumerate(layout)
+    }
 
 
 def param_trees(
@@ -231,24 +236,56 @@ class _Options:
     extra: Any = None
     hyperparams: Any = None
     max_leaves: int = 4
+    device: Any = "cpu"
+
+
+def _example(opts: _Options, layout, param_seed: int, kinds: list, with_extra: Callable[[int], bool], hp: dict) -> Example:
+    params = _build_params(layout, param_seed, zero=False, device=opts.device)
+    grads = [_grads_like(params, k, s) for k, s in kinds]
+    extras = []
+    for i in range(len(kinds)):
+        extra = dict(opts.extra or {})
+        for name in opts.grad_like_extra:
+            if with_extra(i):
+                extra[name] = _grads_like(params, "normal", 7919 + 31 * i + kinds[i][1], nonnegative=True)
+        extras.append(extra)
+    return Example(params, param_seed, grads, kinds, extras, hp)
 
 
 @st.composite
 def _examples(draw, opts: _Options) -> Example:
     layout = draw(_layouts(1, opts.max_leaves, 2 if opts.matrices_only else 0, 4, 3, opts.dtypes))
     param_seed = draw(_seeds)
-    params = _build_params(layout, param_seed, zero=False)
     kinds = draw(st.lists(st.tuples(st.sampled_from(opts.kinds), _seeds), min_size=1, max_size=opts.steps))
-    grads = [_grads_like(params, k, s) for k, s in kinds]
-    extras = []
-    for i in range(len(kinds)):
-        extra = dict(opts.extra or {})
-        for name in opts.grad_like_extra:
-            if draw(st.booleans()):
-                extra[name] = _grads_like(params, "normal", 7919 + 31 * i + kinds[i][1], nonnegative=True)
-        extras.append(extra)
+    flags = [draw(st.booleans()) for _ in kinds] if opts.grad_like_extra else []
     hp = draw(opts.hyperparams) if opts.hyperparams is not None else {}
-    return Example(params, param_seed, grads, kinds, extras, hp)
+    return _example(opts, layout, param_seed, kinds, lambda i: flags[i], hp)
+
+
+def _edge_examples(opts: _Options) -> list[Example]:
+    """One small leaf, one step of each grad kind: tried first, whatever hypothesis draws.
+
+    Hypothesis's derandomized draws differ between its versions and even between runs
+    in one process, so edge grads (all-zero, huge, tiny) are never left to chance.
+    Without fixed hyperparameters (a `hyperparams` strategy) there are none.
+    """
+    if opts.hyperparams is not None:
+        return []
+    layout = [((2, 3) if opts.matrices_only else (), opts.dtypes[0])]
+    kinds = [k for k in ("normal", "zeros", "huge", "tiny") if k in opts.kinds]
+    return [_example(opts, layout, 0, [(k, 0)], lambda i: True, {}) for k in kinds]
+
+
+def _given(opts: _Options, *more: st.SearchStrategy) -> Callable:
+    """`hypothesis.given(examples, *more)` with the edge examples tried first."""
+
+    def decorate(test: Callable) -> Callable:
+        if not more:
+            for ex in reversed(_edge_examples(opts)):  # run top to bottom: in the listed order
+                test = hypothesis.example(ex)(test)
+        return hypothesis.given(_examples(opts), *more)(test)
+
+    return decorate
 
 
 # --------------------------------------------------------------------------- #
@@ -475,6 +512,7 @@ def check_transform(
     reference: Callable[..., torch.optim.Optimizer] | None = None,
     compile: bool = False,
     max_examples: int | None = None,
+    device: str | torch.device = "cpu",
 ) -> None:
     """Check the library's invariants on the transform `factory(**hyperparams)` builds.
 
@@ -484,8 +522,13 @@ def check_transform(
     dtypes and devices as at init; every leaf a tensor), "update_structure" (updates
     shaped and typed like the params), "finite_outputs" (finite updates and state for
     finite inputs), "determinism" (a fresh instance gives bitwise-equal updates and
-    states) and "composition" (`chain(identity(), t)`, `chain(t, identity())` and
-    `masked(t, all True)` give bitwise-equal updates). With `reference`, also
+    states), "replay" (the same instance, run again from init and each step again from
+    its recorded input state, gives bitwise-equal updates and states: no state is kept
+    outside the returned state, such as a step counter in a closure) and "composition"
+    (`chain(identity(), t)`, `chain(t, identity())` and `masked(t, all True)` give
+    bitwise-equal updates). Before any drawn example, one small leaf is tried with one
+    step of normal, all-zero, huge and tiny grads (unless `hyperparams` is a strategy,
+    then hypothesis's simplest example has all-zero grads). With `reference`, also
     "reference_parity" against a `torch.optim` optimizer in float64; with `compile`,
     "no_recompile" under `torch.compile(fullgraph=True)`.
 
@@ -503,6 +546,8 @@ def check_transform(
       compile: also check that steps run under `torch.compile` without recompiling
         (resets dynamo's caches; 10-30 s on a CPU).
       max_examples: hypothesis examples (default: the profile's, at most 25).
+      device: where params, grads and extra trees are put (drawn on the CPU, so the
+        values are the same on every device), e.g. "cuda".
 
     Raises:
       InvariantError (an AssertionError) naming the invariant, with hypothesis's
@@ -519,18 +564,21 @@ def check_transform(
     if unknown:
         raise ValueError(f"checks has unknown entries {sorted(unknown)}; choose from {DEFAULT_CHECKS}")
     opts = _Options(
-        steps, needs_params, matrices_only, tuple(dtypes), tuple(grad_kinds), tuple(grad_like_extra), extra, hyperparams
+        steps, needs_params, matrices_only, tuple(dtypes), tuple(grad_kinds), tuple(grad_like_extra), extra, hyperparams,
+        device=torch.device(device),
     )
 
-    @hypothesis.given(_examples(opts))
+    @_given(opts)
     @_settings(max_examples)
     def run(ex: Example) -> None:
         t = _make(factory, ex)
-        ups, states, _ = _trajectory(t, ex, opts, checks)
+        ups, states, params = _trajectory(t, ex, opts, checks)
         if "determinism" in checks:
             ups2, states2, _ = _trajectory(_make(factory, ex), ex, opts)
             _compare_runs("determinism", "a fresh instance on the same inputs", ups, ups2, "updates")
             _compare_runs("determinism", "a fresh instance on the same inputs", states, states2, "states")
+        if "replay" in checks:
+            _check_replay(t, ex, opts, ups, states, params)
         if "composition" in checks:
             _check_composition(factory, ex, opts, ups, states)
 
@@ -539,6 +587,23 @@ def check_transform(
         _check_reference(factory, reference, opts, max_examples)
     if compile:
         _check_no_recompile(factory, opts)
+
+
+def _check_replay(t: ps.Transform, ex: Example, opts: _Options, ups: list, states: list, params: list) -> None:
+    """The same instance again: from init over the whole example, then each step from its
+    recorded input state. A transform whose output depends on anything but its inputs
+    (a counter in a closure, a cache) gives different bits the second time."""
+    hint = "state kept outside the returned state (a counter or cache in a closure?)"
+    ups2, states2, _ = _trajectory(t, ex, opts)
+    _compare_runs("replay", f"the same instance, replayed from init on the same inputs ({hint})", ups, ups2, "updates")
+    _compare_runs("replay", f"the same instance, replayed from init on the same inputs ({hint})", states, states2, "states")
+    for k in range(1, len(ups)):
+        u, s = _call(f"update {_where(k, ex.grad_kinds[k][0])}", t.update, ex.grads[k], states[k - 1], params[k], **ex.extras[k])
+        for label, a, b in (("updates", ups[k], u), ("state", states[k], s)):
+            if where := _first_difference(a, b):
+                raise InvariantError(
+                    "replay", f"the same instance, given step {k}'s inputs again, returned different {label} at leaf '{where}' ({hint})"
+                )
 
 
 def _check_composition(factory, ex: Example, opts: _Options, ups: list, states: list) -> None:
@@ -572,7 +637,7 @@ def _float64(ex: Example) -> Example:
 def _check_reference(factory, reference, opts: _Options, max_examples: int | None) -> None:
     rtol, atol = TOLERANCES[torch.float64]
 
-    @hypothesis.given(_examples(opts))
+    @_given(opts)
     @_settings(max_examples)
     def run(ex: Example) -> None:
         ex = _float64(ex)
@@ -616,7 +681,7 @@ def _check_no_recompile(factory, opts: _Options) -> None:
         return ps.apply_updates(params, updates), state
 
     def attempt() -> None:
-        params = {f"p{i}": _tensor(s, torch.float32, 1.0, i) for i, s in enumerate(shapes)}
+        params = {f"p{i}": _tensor(s, torch.float32, 1.0, i, opts.device) for i, s in enumerate(shapes)}
         torch._dynamo.reset()  # one code object serves every call of this check
         compiled = torch.compile(step, fullgraph=True)
         state = t.init(params)
@@ -668,7 +733,7 @@ def _property(
 ) -> None:
     factory = _factory(factory)
 
-    @hypothesis.given(_examples(opts))
+    @_given(opts)
     @_settings(max_examples)
     def run(ex: Example) -> None:
         ex = _float64(ex)
@@ -688,6 +753,7 @@ def _opts(kw: dict, **override) -> _Options:
         grad_like_extra=tuple(kw.get("grad_like_extra", ())),
         extra=kw.get("extra"),
         hyperparams=kw.get("hyperparams"),
+        device=torch.device(kw.get("device", "cpu")),
     )
 
 
@@ -773,7 +839,7 @@ def check_scale_invariance(
     """
     opts = _opts(kw, grad_kinds=("normal", "zeros"))
 
-    @hypothesis.given(_examples(opts), _log_uniform(*scales))
+    @_given(opts, _log_uniform(*scales))
     @_settings(max_examples)
     def run(ex: Example, c: float) -> None:
         ex = _float64(ex)

@@ -60,6 +60,7 @@ from ._schedule_free import schedule_free_eval_params as schedule_free_eval_para
 from ._sophia import ScaleBySophiaState as ScaleBySophiaState
 from ._sophia import gnb_hessian as gnb_hessian
 from ._sophia import scale_by_sophia as scale_by_sophia
+from ._step import functional_ensemble as functional_ensemble
 from ._step import functional_model as functional_model
 from ._step import make_step as make_step
 from ._step import make_update as make_update
@@ -206,4 +207,5 @@ __all__ = [
     "make_step",
     "make_update",
     "functional_model",
+    "functional_ensemble",
 ]

@@ -251,7 +251,7 @@ def tree_set(tree: PyTree, name: str, value: Any) -> PyTree:
 
 
 def _is_counter(key: Any, x: Any) -> bool:
-    return key == "count" and isinstance(x, Tensor) and x.dim() == 0 and not x.is_floating_point()
+    return key == "count" and isinstance(x, Tensor) and not x.is_floating_point()
 
 
 def step_count(state: PyTree) -> Tensor:
@@ -268,7 +268,8 @@ def step_count(state: PyTree) -> Tensor:
     and chains of several counters give the same number. It is the step a schedule
     sees: the first update runs at step 0, after it `step_count` is 1.
 
-    Returns the 0-d int64 tensor itself (no copy, no host sync).
+    Returns the int64 counter itself (no copy, no host sync): 0-d, or one per member,
+    shape (N,), for a state stacked by `vmap(opt.init)` (an ensemble).
 
     Raises:
       KeyError: when no part of the optimizer keeps a counter (`ps.sgd(0.1)` with a

@@ -115,5 +115,5 @@ NOT_TRANSFORMS = {
     "dynamic_loss_scale", "LossScaler", "DynamicLossScaleState",
     "muon_labels", "schedule_free_eval_params", "gnb_hessian",
     "ScaleByMuonState", "ScheduleFreeState", "ScaleBySophiaState",
-    "make_step", "make_update", "functional_model",
+    "make_step", "make_update", "functional_model", "functional_ensemble",
 }

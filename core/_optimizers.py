@@ -282,6 +282,7 @@ def muon(
     ns_coefficients: Coefficients = NS5_COEFFICIENTS,
     *,
     eps: float = 1e-7,
+    emulate_bf16: bool | None = None,
 ) -> Transform:
     """Muon, = `torch.optim.Muon`: momentum orthogonalized by Newton-Schulz, for matrices.
 
@@ -296,6 +297,9 @@ def muon(
       ns_dtype: the dtype of the Newton-Schulz iterations.
       ns_coefficients: (a, b, c) for every iteration (default torch.optim.Muon's NS5),
         a sequence of (a, b, c) per iteration, or "polar_express" (Amsel et al. 2025).
+      emulate_bf16: bf16 iterations as float32 matmuls rounded to bf16 (True), real bf16
+        matmuls (False), or emulated only on CPUs without bf16 matmul units (None); the
+        emulation is not bit-identical, see `scale_by_muon`.
 
     Warning:
         Defaults differ from `torch.optim.Muon` (lr=1e-3, weight_decay=0.1): lr=0.02 is Keller
@@ -319,7 +323,8 @@ def muon(
     check_hyperparam("weight_decay", weight_decay)
     check_nonnegative("weight_decay", weight_decay)
     block = scale_by_muon(
-        momentum, nesterov, ns_steps, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, adjust_lr=adjust_lr, eps=eps
+        momentum, nesterov, ns_steps, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, adjust_lr=adjust_lr, eps=eps,
+        emulate_bf16=emulate_bf16,
     )
     return chain(block, _decay(weight_decay), scale_by_lr(lr))
 
@@ -339,6 +344,7 @@ def muon_adamw(
     adamw_eps: float = 1e-10,
     adamw_weight_decay: ScalarOrSchedule = 0.01,
     labels: Any = muon_labels,
+    emulate_bf16: bool | None = None,
 ) -> Transform:
     """Keller Jordan's hybrid: `muon` for hidden matrices, `adamw` for everything else.
 
@@ -353,6 +359,7 @@ def muon_adamw(
         0.01: the same README recipe.
       adamw_eps: 1e-10, the eps of KellerJordan/Muon's `adam_update`.
       labels: "muon"/"adamw" per leaf, a str pytree or `callable(params)`.
+      emulate_bf16: Muon's bf16 emulation switch, see `muon`.
 
     Example:
         >>> import torch, purestep.core as ps
@@ -368,7 +375,10 @@ def muon_adamw(
     """
     return partition(
         {
-            "muon": muon(lr, momentum, nesterov, ns_steps, weight_decay, adjust_lr, ns_dtype, ns_coefficients),
+            "muon": muon(
+                lr, momentum, nesterov, ns_steps, weight_decay, adjust_lr, ns_dtype, ns_coefficients,
+                emulate_bf16=emulate_bf16,
+            ),
             "adamw": adamw(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay),
         },
         labels,

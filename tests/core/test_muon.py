@@ -59,6 +59,37 @@ def test_muon_matches_torch_muon(adjust_lr, nesterov, weight_decay):
         assert (ours[k] - params[k]).abs().max() > 10 * lr * 0.01, k  # the params really moved
 
 
+def test_bf16_emulation_stays_within_its_stated_tolerance_of_real_bf16_matmuls():
+    # The documented bound (scale_by_muon's Warning): entries within 2⁻⁵ of real bf16 Newton-Schulz,
+    # every value a bf16 value, and as close to a float64 Newton-Schulz as real bf16 is.
+    g = torch.Generator().manual_seed(3)
+    grads = {
+        f"{shape}.{i}": torch.randn(*shape, generator=g) * (0.1 + 10 * torch.rand((), generator=g))
+        for shape in [(8, 16), (16, 16), (24, 48)]
+        for i in range(30)
+    }
+
+    def orthogonalize(**kw):
+        t = ps.scale_by_muon(momentum=0.0, nesterov=False, **kw)
+        return t.update(grads, t.init(grads))[0]
+
+    real = orthogonalize(ns_dtype=torch.bfloat16, emulate_bf16=False)
+    emulated = orthogonalize(ns_dtype=torch.bfloat16, emulate_bf16=True)
+    exact = orthogonalize(ns_dtype=torch.float64)
+    default = orthogonalize(ns_dtype=torch.bfloat16)
+    chosen = real if ps._muon.CPU_BF16_MATMUL else emulated
+    worst_real = max((real[k] - exact[k]).abs().max().item() for k in grads)
+    worst_emulated = max((emulated[k] - exact[k]).abs().max().item() for k in grads)
+    for k in grads:
+        assert torch.equal(default[k], chosen[k]), k  # None: emulate exactly where bf16 matmuls are slow
+        assert torch.equal(emulated[k].bfloat16().float(), emulated[k]), k
+        assert (emulated[k] - real[k]).abs().max().item() <= 2**-5, k
+    assert worst_emulated <= 1.5 * worst_real + 2**-7, (worst_emulated, worst_real)
+    assert any(not torch.equal(emulated[k], real[k]) for k in grads)  # not bit-identical: hence the flag
+    with pytest.raises(ValueError, match="emulate_bf16"):
+        ps.muon(emulate_bf16="auto")
+
+
 def test_muon_orthogonalizes_conv_filters_as_rows_by_the_rest():
     params = {"conv.weight": make({"w": (8, 3, 2, 2)})["w"]}
     grads = grad_stream(params, steps=6)

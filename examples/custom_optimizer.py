@@ -10,7 +10,6 @@ planted bug (it updates its momentum buffer in place), and the failure the kit r
 from typing import NamedTuple
 
 import torch
-import torch.utils._pytree as pytree
 
 import purestep.core as ps
 from purestep.core.testing import check_bounded_updates, check_transform, hyperparams
@@ -28,10 +27,10 @@ def sign_momentum(lr: float = 1e-3, momentum: float = 0.9, *, in_place: bool = F
 
     def update(grads, state, params=None, **extra):
         if in_place:  # the planted bug: mutates the caller's state
-            mu = pytree.tree_map(lambda m, g: m.mul_(momentum).add_(g, alpha=1 - momentum), state.mu, grads)
+            mu = ps.tree_map(lambda m, g: m.mul_(momentum).add_(g, alpha=1 - momentum), state.mu, grads)
         else:
-            mu = pytree.tree_map(lambda m, g: momentum * m + (1 - momentum) * g, state.mu, grads)
-        return pytree.tree_map(lambda m: -lr * torch.sign(m), mu), SignMomentumState(mu)
+            mu = ps.tree_map(lambda m, g: momentum * m + (1 - momentum) * g, state.mu, grads)
+        return ps.tree_map(lambda m: -lr * torch.sign(m), mu), SignMomentumState(mu)
 
     return ps.Transform(init, update)
 

@@ -21,7 +21,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, Callable, Iterable, Sequence
 
@@ -39,6 +38,14 @@ except ImportError as error:  # pragma: no cover - exercised only without hypoth
         "purestep.core.testing needs hypothesis: pip install hypothesis (or purestep[test])"
     ) from error
 
+from ._strategies import FLOAT_DTYPES, GRAD_KINDS, Example, _given, _grads_like, _log_uniform, _Options, _tensor
+from ._strategies import grad_trees as grad_trees
+from ._strategies import hyperparams as hyperparams
+from ._strategies import param_trees as param_trees
+from ._invariants import InvariantError as InvariantError
+from ._invariants import _call, _compare_runs, _factory, _first_difference, _float64, _make, _name, _same, _settings
+from ._invariants import _trajectory, _where, _wrap
+
 __all__ = [
     "FLOAT_DTYPES",
     "GRAD_KINDS",
@@ -55,10 +62,6 @@ __all__ = [
     "check_schedule",
 ]
 
-FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
-# Grad magnitudes drawn; hypothesis tries the first in its simplest example and shrinks toward it.
-GRAD_KINDS = ("zeros", "normal", "huge", "tiny", "mixed")
-_MAGNITUDE = {"normal": 1.0, "zeros": 0.0, "huge": 1e10, "tiny": 1e-10}
 
 # One per-dtype tolerance table (rtol, atol) for every numeric comparison in the kit.
 TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
@@ -70,426 +73,6 @@ TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
 DEFAULT_CHECKS = (
     "purity", "state_stability", "update_structure", "finite_outputs", "determinism", "replay", "composition"
 )
-
-
-class InvariantError(AssertionError):
-    """An invariant that a transform or schedule broke; the message starts with its name."""
-
-    def __init__(self, invariant: str, message: str):
-        super().__init__(f"{invariant}: {message}")
-        self.invariant = invariant
-
-
-# --------------------------------------------------------------------------- #
-# Building trees from small, readable descriptions (what hypothesis shrinks).
-# --------------------------------------------------------------------------- #
-
-
-def _tensor(shape: Sequence[int], dtype: torch.dtype, magnitude: float, seed: int, device: Any = "cpu") -> Tensor:
-    gen = torch.Generator().manual_seed(seed)  # drawn on the CPU: the same values on every device
-    return (torch.randn(tuple(shape), generator=gen, dtype=torch.float64) * magnitude).to(device=device, dtype=dtype)
-
-
-def _grads_like(params: dict[str, Tensor], kind: str, seed: int, *, nonnegative: bool = False) -> dict[str, Tensor]:
-    out = {}
-    for i, (name, p) in enumerate(params.items()):
-        leaf_kind = ("normal", "zeros", "huge", "tiny")[(seed + i) % 4] if kind == "mixed" else kind
-        g = _tensor(p.shape, p.dtype, _MAGNITUDE[leaf_kind], seed * 1009 + i, p.device)
-        out[name] = g.abs() if nonnegative else g
-    return out
-
-
-def _brief(t: Tensor) -> str:
-    name = str(t.dtype).replace("torch.", "")
-    text = f"{name}{list(t.shape)}"
-    if t.numel() <= 3:
-        text += f"={[round(v, 4) for v in t.double().reshape(-1).tolist()]}"
-    return text
-
-
-class Example:
-    """One drawn input for the checks: params, then per step a grads kind and seed
-    (printed briefly, as hypothesis's counterexample)."""
-
-    def __init__(self, params, param_seed, grads, grad_kinds, extras, hyperparams):
-        self.params: dict[str, Tensor] = params
-        self.param_seed: int = param_seed
-        self.grads: list[dict[str, Tensor]] = grads
-        self.grad_kinds: list[tuple[str, int]] = grad_kinds
-        self.extras: list[dict[str, Any]] = extras
-        self.hyperparams: dict[str, Any] = hyperparams
-
-    def replace(self, **changes: Any) -> "Example":
-        fields = dict(vars(self), **changes)
-        return Example(**fields)
-
-    def __repr__(self) -> str:
-        params = "{" + ", ".join(f"{k!r}: {_brief(v)}" for k, v in self.params.items()) + "}"
-        grads = ", ".join(k if k == "zeros" else f"{k}(seed={s})" for k, s in self.grad_kinds)
-        extra = "".join(f"; step {i} extra {sorted(e)}" for i, e in enumerate(self.extras) if e)
-        hp = f"; hyperparams {self.hyperparams}" if self.hyperparams else ""
-        return f"Example(params={params} (seed={self.param_seed}); grads per step: [{grads}]{extra}{hp})"
-
-
-# --------------------------------------------------------------------------- #
-# Strategies.
-# --------------------------------------------------------------------------- #
-
-_seeds = st.integers(min_value=0, max_value=2**16)
-
-
-def _layouts(min_leaves, max_leaves, min_rank, max_rank, max_side, dtypes):
-    leaf = st.tuples(
-        st.lists(st.integers(1, max_side), min_size=min_rank, max_size=max_rank).map(tuple),
-        st.sampled_from(tuple(dtypes)),
-    )
-    return st.lists(leaf, min_size=min_leaves, max_size=max_leaves)
-
-
-def _build_params(layout, seed: int, zero: bool, device: Any = "cpu") -> dict[str, Tensor]:
-    return {
-        f"p{i}": _tensor(shape, dtype, 0.0 if zero else 1.0, seed + i, device) for i, (shape, dtype) in enumerate(layout)
-    }
-
-
-def param_trees(
-    *,
-    min_leaves: int = 1,
-    max_leaves: int = 4,
-    min_rank: int = 0,
-    max_rank: int = 4,
-    max_side: int = 3,
-    dtypes: Iterable[torch.dtype] = FLOAT_DTYPES,
-    zeros: bool = True,
-) -> st.SearchStrategy[dict[str, Tensor]]:
-    """Params trees `{"p0": tensor, ...}`: ranks `min_rank..max_rank`, sides `1..max_side`
-    (size-1 dims included), dtypes from `dtypes`, values N(0, 1) (or all zero, a bias at init).
-
-    Example:
-        >>> from hypothesis import given
-        >>> from purestep.core.testing import param_trees
-        >>> @given(param_trees(max_rank=2))
-        ... def test(params):
-        ...     assert all(p.dim() <= 2 for p in params.values())
-        >>> test()
-    """
-    return st.builds(
-        _build_params,
-        _layouts(min_leaves, max_leaves, min_rank, max_rank, max_side, dtypes),
-        _seeds,
-        st.booleans() if zeros else st.just(False),
-    )
-
-
-def grad_trees(params: dict[str, Tensor], kinds: Iterable[str] = GRAD_KINDS) -> st.SearchStrategy[dict[str, Tensor]]:
-    """Grads trees matching `params` leaf for leaf (shape and dtype), of a magnitude drawn
-    from `kinds`: "normal" N(0, 1), "zeros", "huge" (1e10), "tiny" (1e-10), "mixed" (per leaf)."""
-    kinds = tuple(kinds)
-    unknown = set(kinds) - set(GRAD_KINDS)
-    if unknown:
-        raise ValueError(f"kinds has unknown entries {sorted(unknown)}; choose from {GRAD_KINDS}")
-    return st.builds(lambda kind, seed: _grads_like(params, kind, seed), st.sampled_from(kinds), _seeds)
-
-
-def _log_uniform(lo: float, hi: float) -> st.SearchStrategy[float]:
-    return st.floats(math.log(lo), math.log(hi)).map(math.exp)
-
-
-_HYPERPARAMS: dict[str, Callable[[], st.SearchStrategy]] = {
-    "lr": lambda: _log_uniform(1e-4, 1.0),
-    "weight_decay": lambda: st.floats(0.0, 0.2),
-    "momentum": lambda: st.floats(0.0, 0.99),
-    "eps": lambda: _log_uniform(1e-10, 1e-6),
-    "betas": lambda: st.tuples(st.floats(0.0, 0.99), st.floats(0.9, 0.9999)),
-}
-
-
-def hyperparams(*names: str, **strategies: st.SearchStrategy) -> st.SearchStrategy[dict[str, Any]]:
-    """Keyword dicts of hyperparameters in their usual ranges, to call a factory with.
-
-    Known names: lr (1e-4..1, log), weight_decay (0..0.2), momentum (0..0.99),
-    eps (1e-10..1e-6, log), betas ((0..0.99), (0.9..0.9999)); any other name takes a
-    strategy as a keyword.
-
-    Example:
-        >>> from hypothesis import strategies as st
-        >>> from purestep.core.testing import hyperparams
-        >>> hp = hyperparams("lr", "betas", weight_decay=st.just(0.0))
-    """
-    fields = {}
-    for name in names:
-        if name not in _HYPERPARAMS:
-            raise ValueError(f"no default range for {name!r}; pass it as {name}=<strategy>, or one of {sorted(_HYPERPARAMS)}")
-        fields[name] = _HYPERPARAMS[name]()
-    fields.update(strategies)
-    return st.fixed_dictionaries(fields)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Options:
-    steps: int = 3
-    needs_params: bool = True
-    matrices_only: bool = False
-    dtypes: tuple = FLOAT_DTYPES
-    kinds: tuple = GRAD_KINDS
-    grad_like_extra: tuple = ()
-    extra: Any = None
-    hyperparams: Any = None
-    max_leaves: int = 4
-    device: Any = "cpu"
-
-
-def _example(opts: _Options, layout, param_seed: int, kinds: list, with_extra: Callable[[int], bool], hp: dict) -> Example:
-    params = _build_params(layout, param_seed, zero=False, device=opts.device)
-    grads = [_grads_like(params, k, s) for k, s in kinds]
-    extras = []
-    for i in range(len(kinds)):
-        extra = dict(opts.extra or {})
-        for name in opts.grad_like_extra:
-            if with_extra(i):
-                extra[name] = _grads_like(params, "normal", 7919 + 31 * i + kinds[i][1], nonnegative=True)
-        extras.append(extra)
-    return Example(params, param_seed, grads, kinds, extras, hp)
-
-
-@st.composite
-def _examples(draw, opts: _Options) -> Example:
-    layout = draw(_layouts(1, opts.max_leaves, 2 if opts.matrices_only else 0, 4, 3, opts.dtypes))
-    param_seed = draw(_seeds)
-    kinds = draw(st.lists(st.tuples(st.sampled_from(opts.kinds), _seeds), min_size=1, max_size=opts.steps))
-    flags = [draw(st.booleans()) for _ in kinds] if opts.grad_like_extra else []
-    hp = draw(opts.hyperparams) if opts.hyperparams is not None else {}
-    return _example(opts, layout, param_seed, kinds, lambda i: flags[i], hp)
-
-
-def _edge_examples(opts: _Options) -> list[Example]:
-    """One small leaf, one step of each grad kind: tried first, whatever hypothesis draws.
-
-    Hypothesis's derandomized draws differ between its versions and even between runs
-    in one process, so edge grads (all-zero, huge, tiny) are never left to chance.
-    Without fixed hyperparameters (a `hyperparams` strategy) there are none.
-    """
-    if opts.hyperparams is not None:
-        return []
-    layout = [((2, 3) if opts.matrices_only else (), opts.dtypes[0])]
-    kinds = [k for k in ("normal", "zeros", "huge", "tiny") if k in opts.kinds]
-    return [_example(opts, layout, 0, [(k, 0)], lambda i: True, {}) for k in kinds]
-
-
-def _given(opts: _Options, *more: st.SearchStrategy) -> Callable:
-    """`hypothesis.given(examples, *more)` with the edge examples tried first."""
-
-    def decorate(test: Callable) -> Callable:
-        if not more:
-            for ex in reversed(_edge_examples(opts)):  # run top to bottom: in the listed order
-                test = hypothesis.example(ex)(test)
-        return hypothesis.given(_examples(opts), *more)(test)
-
-    return decorate
-
-
-# --------------------------------------------------------------------------- #
-# Tree comparisons.
-# --------------------------------------------------------------------------- #
-
-
-def _clone(tree: Any) -> Any:
-    return pytree.tree_map(lambda x: x.detach().clone() if isinstance(x, Tensor) else x, tree)
-
-
-def _bits(x: Tensor) -> Tensor:
-    return x.detach().reshape(-1).contiguous().view(torch.uint8)
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, Tensor) and isinstance(b, Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
-    return type(a) is type(b) and a == b
-
-
-def _first_difference(a: Any, b: Any) -> str | None:
-    """The dotted path of the first leaf where `a` and `b` differ bitwise ('<structure>' if trees differ)."""
-    pa, sa = ps.tree_flatten_with_path(a)
-    pb, sb = ps.tree_flatten_with_path(b)
-    if sa != sb:
-        return "<structure>"
-    for (path, x), (_, y) in zip(pa, pb):
-        if not _same(x, y):
-            return path or "<root>"
-    return None
-
-
-def _where(step: int, kind: str) -> str:
-    return f"at step {step} ({'all-zero' if kind == 'zeros' else kind} grads)"
-
-
-def _call(what: str, fn: Callable, *args, **kwargs):
-    try:
-        return fn(*args, **kwargs)
-    except AssertionError:
-        raise
-    except Exception as error:
-        raise InvariantError("no_exception", f"{what} raised {type(error).__name__}: {error}") from error
-
-
-def _wrap(name: str, run: Callable[[], None]) -> None:
-    """Run a hypothesis test; re-raise its failure with the counterexample in the message."""
-    try:
-        run()
-    except hypothesis.errors.Flaky as error:  # failed once, passed on replay: hidden state somewhere
-        inner = [e for e in getattr(error, "exceptions", ()) if isinstance(e, AssertionError)]
-        cause = f"; first failure: {inner[0]}" if inner else ""
-        raise InvariantError(
-            "determinism", f"the check failed once and passed when hypothesis replayed it{cause}\n  checking {name}"
-        ) from error
-    except AssertionError as error:
-        notes = "\n".join(getattr(error, "__notes__", []))
-        invariant = getattr(error, "invariant", "assertion")
-        message = str(error).split(": ", 1)[-1] if isinstance(error, InvariantError) else str(error)
-        raise InvariantError(
-            invariant, f"{message}\n  checking {name}\n  minimal counterexample:\n{notes}"
-        ) from error
-
-
-def _settings(max_examples: int | None) -> hypothesis.settings:
-    current = hypothesis.settings()
-    n = max_examples if max_examples is not None else min(current.max_examples, 25)
-    return hypothesis.settings(
-        current,
-        max_examples=n,
-        deadline=None,
-        database=None,
-        report_multiple_bugs=False,
-        # No explain/target phases: they rerun failing examples many times, for notes we do not need.
-        phases=[hypothesis.Phase.explicit, hypothesis.Phase.reuse, hypothesis.Phase.generate, hypothesis.Phase.shrink],
-        suppress_health_check=list(hypothesis.HealthCheck),
-    )
-
-
-def _name(factory: Any) -> str:
-    name = getattr(factory, "__qualname__", None) or repr(factory)
-    code = getattr(factory, "__code__", None)
-    return f"{name} ({code.co_filename}:{code.co_firstlineno})" if code is not None else name
-
-
-def _factory(factory: Callable[..., ps.Transform] | ps.Transform) -> Callable[..., ps.Transform]:
-    if isinstance(factory, ps.Transform):
-        return lambda **hp: factory
-    return factory
-
-
-def _make(factory: Callable[..., ps.Transform], ex: Example) -> ps.Transform:
-    t = _call("the factory", factory, **ex.hyperparams)
-    if not isinstance(t, ps.Transform):
-        raise InvariantError("no_exception", f"the factory returned {type(t).__name__}, not a ps.Transform")
-    return t
-
-
-# --------------------------------------------------------------------------- #
-# Running a transform along an example, checking per-step invariants.
-# --------------------------------------------------------------------------- #
-
-
-def _is_float(x: Any) -> bool:
-    return isinstance(x, Tensor) and (torch.is_floating_point(x) or torch.is_complex(x))
-
-
-def _trajectory(
-    t: ps.Transform,
-    ex: Example,
-    opts: _Options,
-    checks: Iterable[str] = (),
-    *,
-    grads: list | None = None,
-    params: Callable[[int, Any], Any] | None = None,
-) -> tuple[list, list, list]:
-    """Updates, states and the params passed at each step; params evolve by the updates
-    unless `params(step, evolved)` picks them."""
-    checks = set(checks)
-    grads = ex.grads if grads is None else grads
-    current = ex.params
-    p0 = params(0, current) if params is not None else current
-    snapshot = _clone(p0)
-    state = _call("init", t.init, p0)
-    if "purity" in checks and (where := _first_difference(p0, snapshot)):
-        raise InvariantError("purity", f"init mutated its params input at leaf '{where}'")
-    init_spec = ps.tree_flatten_with_path(state)
-    if "state_stability" in checks:
-        for path, leaf in init_spec[0]:
-            if not isinstance(leaf, Tensor):
-                raise InvariantError(
-                    "state_stability",
-                    f"init state leaf '{path}' is {type(leaf).__name__} {leaf!r}, not a tensor "
-                    "(a Python number in state is baked into a compiled step and is not checkpointed)",
-                )
-    updates_seq, states, params_seq = [], [], []
-    for k, (g, extra) in enumerate(zip(grads, ex.extras)):
-        kind = ex.grad_kinds[k][0]
-        p = (params(k, current) if params is not None else current) if opts.needs_params else None
-        before = _clone((g, state, p, extra)) if "purity" in checks else None
-        u, new_state = _call(f"update {_where(k, kind)}", t.update, g, state, p, **extra)
-        if before is not None:
-            for label, now, then in zip(("grads", "state", "params", "extra keywords"), (g, state, p, extra), before):
-                if where := _first_difference(now, then):
-                    raise InvariantError("purity", f"update mutated its {label} input at leaf '{where}' {_where(k, kind)}")
-        if "state_stability" in checks:
-            _check_state(new_state, init_spec, k, kind)
-        if "update_structure" in checks:
-            _check_updates(u, g, k, kind)
-        if "finite_outputs" in checks:
-            for label, tree in (("updates", u), ("state", new_state)):
-                for path, leaf in ps.tree_flatten_with_path(tree)[0]:
-                    if _is_float(leaf) and not bool(torch.isfinite(leaf).all()):
-                        raise InvariantError(
-                            "finite_outputs", f"{label} leaf '{path}' is not finite {_where(k, kind)}: {_brief(leaf)}"
-                        )
-        updates_seq.append(u)
-        states.append(new_state)
-        params_seq.append(p)
-        state = new_state
-        if opts.needs_params:
-            current = _call("ps.apply_updates", ps.apply_updates, current, u)
-    return updates_seq, states, params_seq
-
-
-def _check_updates(u: Any, g: Any, k: int, kind: str) -> None:
-    got, spec = ps.tree_flatten_with_path(u)
-    want, want_spec = ps.tree_flatten_with_path(g)
-    if spec != want_spec:
-        raise InvariantError(
-            "update_structure",
-            f"updates have leaves {[p for p, _ in got]} but grads/params have {[p for p, _ in want]} {_where(k, kind)}",
-        )
-    for (path, x), (_, y) in zip(got, want):
-        if not isinstance(x, Tensor) or x.shape != y.shape or x.dtype != y.dtype or x.device != y.device:
-            what = _brief(x) if isinstance(x, Tensor) else type(x).__name__
-            raise InvariantError(
-                "update_structure", f"update leaf '{path}' is {what} but its param is {_brief(y)} {_where(k, kind)}"
-            )
-
-
-def _check_state(state: Any, init_spec: tuple, k: int, kind: str) -> None:
-    got, spec = ps.tree_flatten_with_path(state)
-    want, want_spec = init_spec
-    if spec != want_spec:
-        raise InvariantError(
-            "state_stability",
-            f"state structure changed {_where(k, kind)}: leaves {[p for p, _ in got]} after init's {[p for p, _ in want]}",
-        )
-    for (path, x), (_, y) in zip(got, want):
-        if not isinstance(x, Tensor):
-            raise InvariantError("state_stability", f"state leaf '{path}' became {type(x).__name__} {_where(k, kind)}")
-        if x.shape != y.shape or x.dtype != y.dtype or x.device != y.device:
-            raise InvariantError(
-                "state_stability",
-                f"state leaf '{path}' changed from {_brief(y)} at init to {_brief(x)} {_where(k, kind)}",
-            )
-
-
-def _compare_runs(invariant: str, what: str, ref: Sequence, got: Sequence, label: str) -> None:
-    for k, (a, b) in enumerate(zip(ref, got)):
-        if where := _first_difference(a, b):
-            raise InvariantError(invariant, f"{what}: {label} differ at step {k}, leaf '{where}'")
 
 
 # --------------------------------------------------------------------------- #
@@ -627,13 +210,6 @@ def _check_composition(factory, ex: Example, opts: _Options, ups: list, states: 
                     raise InvariantError("composition", f"{label} vs t: states differ at step {k}")
 
 
-def _float64(ex: Example) -> Example:
-    cast = lambda tree: ps.tree_cast(tree, torch.float64)  # noqa: E731
-    return ex.replace(
-        params=cast(ex.params), grads=[cast(g) for g in ex.grads], extras=[cast(e) for e in ex.extras]
-    )
-
-
 def _check_reference(factory, reference, opts: _Options, max_examples: int | None) -> None:
     rtol, atol = TOLERANCES[torch.float64]
 
@@ -690,8 +266,8 @@ def _check_no_recompile(factory, opts: _Options) -> None:
         except Exception as error:
             raise InvariantError("no_recompile", f"the step does not compile with fullgraph=True: {error}") from error
         for k in range(1, 4):
-            for name, hp in _injected(state):
-                state = ps.tree_set(state, name, pytree.tree_map(lambda v: v * 0.5, hp))
+            for key, value in ps.get_hyperparams(state).items():
+                state = ps.set_hyperparam(state, key, pytree.tree_map(lambda v: v * 0.5, value))
             args = (params, state, _grads_like(params, "normal", k), extra_for(params, k))
             try:
                 if hasattr(torch.compiler, "set_stance"):
@@ -710,13 +286,6 @@ def _check_no_recompile(factory, opts: _Options) -> None:
         if "recompiled" not in str(error):
             raise
         attempt()
-
-
-def _injected(state: Any) -> list[tuple[str, Any]]:
-    try:
-        return [("hyperparams", ps.tree_get(state, "hyperparams"))]
-    except KeyError:  # none, or several (then leave them as they are)
-        return []
 
 
 # --------------------------------------------------------------------------- #

@@ -1,5 +1,6 @@
 """Invariant family "determinism": a fresh instance on the same inputs gives bitwise-equal
-updates and states, for every registered transform.
+updates and states, and so does the same instance replayed ("replay": no state is kept
+outside the returned state), for every registered transform.
 """
 
 from __future__ import annotations
@@ -11,6 +12,6 @@ from tests.registry import TRANSFORMS
 
 
 @pytest.mark.parametrize("name", sorted(TRANSFORMS))
-def test_transform_is_bitwise_deterministic(name, kwargs_for):
+def test_transform_is_bitwise_deterministic_and_replays(name, kwargs_for):
     case = TRANSFORMS[name]
-    check_transform(case.make, checks=("determinism",), **kwargs_for(case))
+    check_transform(case.make, checks=("determinism", "replay"), **kwargs_for(case))

@@ -7,6 +7,7 @@ import torch
 
 import purestep.core as ps
 from purestep.core import testing as kit
+from tests.core.test_ensemble import check_compiled_ensemble
 from tests.core.test_testing import FAST, _fails, sign_momentum
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -34,29 +35,7 @@ def test_kit_catches_state_left_on_the_cpu():
 
 
 def test_compiled_vmapped_ensemble_on_cuda_matches_each_member():
-    torch._dynamo.reset()
-    models = [torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).cuda() for _ in range(3)]
-    apply_fn, params, buffers = ps.functional_ensemble(models)
-
-    def loss_fn(params, batch):
-        x, y = batch
-        return ((apply_fn(params, buffers, x)[0] - y) ** 2).mean()
-
-    opt = ps.chain(ps.clip_by_global_norm(0.5), ps.adamw(1e-2))
-    step = ps.make_step(loss_fn, opt)
-    state = torch.func.vmap(opt.init)(params)
-    ensemble_step = torch.compile(torch.func.vmap(step), fullgraph=True)
-    batches = [(torch.randn(3, 16, 4, device="cuda"), torch.randn(3, 16, 2, device="cuda")) for _ in range(3)]
-    for batch in batches:
-        params, state, metrics = ensemble_step(params, state, batch)
-    assert params["0.weight"].device.type == "cuda" and not params["0.weight"].requires_grad
-    for i, model in enumerate(models):
-        _, p, _ = ps.functional_model(model)
-        s = opt.init(p)
-        for x, y in batches:
-            p, s, _ = step(p, s, (x[i], y[i]))
-        for name in p:
-            torch.testing.assert_close(params[name][i], p[name], rtol=1e-4, atol=1e-5)
+    check_compiled_ensemble("cuda", torch.float32, rtol=1e-4, atol=1e-5)
 
 
 def test_apply_if_finite_keeps_a_cuda_state_finite_and_amsgrad_matches_torch():

@@ -31,8 +31,8 @@ from torch import Tensor, nn
 import purestep.core as ps
 
 from . import distributed as D
-from ._ckpt_shim import CheckpointManager
 from ._report import MetricsFile, Progress, RunDirError, StopSignals, log
+from .checkpoint import CheckpointManager, checkpoint_dir, read_manifest
 from .config import ConfigError, TrainConfig, refuse_ignored, resume_changes
 from .data import build_data, check_rows, eval_batches, is_step_indexed, to_device, train_batches
 
@@ -325,8 +325,6 @@ class Trainer:
         if held and not resume:
             raise RunDirError(f"{self.out}: already holds a run; pass --resume to continue it or a new --out")
         if resume and held:
-            from .checkpoint import checkpoint_dir, read_manifest
-
             manifest = read_manifest(latest) if latest is not None else None
             changes = resume_changes(manifest and manifest.config, self.config, manifest.step if manifest else 0)
             c = self._restore()
@@ -375,8 +373,7 @@ class Trainer:
         if nonfinite > self.nonfinite_logged:
             event = {"step": self.step, "event": "skip_nonfinite", "skipped": nonfinite - self.nonfinite_logged}
             self.metrics.write(event)
-            if self.world.main:
-                log(f"step {self.step}: {event['skipped']} step(s) with non-finite gradients skipped since the last log")
+            log(f"step {self.step}: skip_nonfinite ({event['skipped']} step(s) with non-finite gradients since the last log)")
             self.nonfinite_logged = nonfinite
         if line["loss"] is not None:
             self.last.update(line)

@@ -314,9 +314,8 @@ def load_config(path: str | Path, overrides: Iterable[str] = ()) -> TrainConfig:
 
 def refuse_ignored(config: TrainConfig, given: dict[str, Any]) -> None:
     """Refuse a field the `Trainer` would ignore: a section whose object it was given
-    (`transform=` for optimizer and schedule, `model=`, `data=`), `ema_decay` with `ema=`,
-    `checkpoint_every` without a run directory. `given` maps those argument names to the
-    objects (None: not given)."""
+    (`transform=` for optimizer and schedule, `model=`, `data=`), or `ema_decay` with
+    `ema=`. `given` maps those argument names to the objects (None: not given)."""
     sections = {"transform": ("optimizer", "schedule"), "model": ("model",), "data": ("data",)}
     defaults = TrainConfig()
     for arg, names in sections.items():
@@ -332,8 +331,6 @@ def refuse_ignored(config: TrainConfig, given: dict[str, Any]) -> None:
                                       f"replaces the [{name}] section; leave it at its default or drop {arg}=")
     if given["ema"] is not None and config.ema_decay is not None:
         raise ConfigError("ema_decay", "set in the config and ema= given too; keep one")
-    if given["out"] is None and config.checkpoint_every:
-        raise ConfigError("checkpoint_every", "checkpoints need a run directory: pass out=")
 
 
 # --------------------------------------------------------------------------- #

@@ -86,7 +86,7 @@ class Trainer:
         from .models import build_model, lm_loss, peak_flops
 
         self.config = cfg = config if config is not None else TrainConfig()
-        refuse_ignored(cfg, {"transform": transform, "model": model, "data": data, "ema": ema, "out": out})
+        refuse_ignored(cfg, {"transform": transform, "model": model, "data": data, "ema": ema})
         if loss_fn is None and model is not None:
             raise ValueError("loss_fn: a given model needs its loss_fn(model, batch) -> loss or (loss_sum, tokens)")
         self.world = D.setup(cfg.strategy, device)
@@ -216,7 +216,7 @@ class Trainer:
             out = self.update(params, grads, self.opt_state, *(() if self.ema is None else (self.ema,)))
             if self.fsdp:
                 D.copy_into_(params, out[0])
-            self.opt_state, self.ema = out[1], (out[2] if self.ema is not None else None)
+            self.opt_state, self.ema = self._settled(out[1]), (out[2] if self.ema is not None else None)
         for p in self.named.values():
             p.grad = None
         self.step += 1
@@ -224,6 +224,14 @@ class Trainer:
         if "event" in record:
             self.skipped += 1
         return record
+
+    def _settled(self, state: Any) -> Any:
+        """Under FSDP2 a reduction over sharded grads (apply_if_finite's flag) is a Partial
+        DTensor, which checkpoints cannot hold: reduce it to the plain tensor the state began with."""
+        if not self.fsdp:
+            return state
+        partial = lambda t: D.is_dtensor(t) and any(p.is_partial() for p in t.placements)  # noqa: E731
+        return pytree.tree_map(lambda t: t.full_tensor() if partial(t) else t, state)
 
     def _spiked(self, loss: float) -> bool:
         k, recent = self.config.spike_factor, self.recent
@@ -319,6 +327,8 @@ class Trainer:
     def _open_run(self, resume: bool) -> bool:
         """Prepare the run directory (resuming if asked); False when there is nothing left to train."""
         if self.out is None:
+            if self.config.checkpoint_every:
+                raise ConfigError("checkpoint_every", "checkpoints need a run directory: pass out=")
             return True
         latest = self.checkpoints.latest()
         held = latest is not None or (self.out / "metrics.jsonl").exists()

@@ -23,18 +23,19 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import msgspec
 import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 import purestep.core as ps
 
+from . import _run_dir as run_dir
 from . import distributed as D
-from ._report import MetricsFile, Progress, RunDirError, StopSignals, log
-from .checkpoint import CheckpointManager, checkpoint_dir, read_manifest
-from .config import ConfigError, TrainConfig, refuse_ignored, resume_changes
+from ._report import MetricsFile, Progress, StopSignals, log
+from .checkpoint import CheckpointManager
+from .config import ConfigError, TrainConfig, refuse_ignored
 from .data import build_data, check_rows, eval_batches, is_step_indexed, to_device, train_batches
+
 
 def _nodes(tree: Any, cls: type) -> list[Any]:
     """The `cls` states (NamedTuples) anywhere in a state tree."""
@@ -242,11 +243,14 @@ class Trainer:
         self.spikes = 0
         return False
 
+    def nonfinite(self) -> Tensor:
+        """How many steps `apply_if_finite` skipped for non-finite gradients (a device tensor)."""
+        return _nodes(self.opt_state, ps.ApplyIfFiniteState)[0].total_notfinite
+
     @property
     def updates(self) -> int:
         """Updates applied to the params so far (reads the skip count from the device)."""
-        skips = _nodes(self.opt_state, ps.ApplyIfFiniteState)[0].total_notfinite
-        return self.step - self.skipped - int(skips)
+        return self.step - self.skipped - int(self.nonfinite())
 
     def lr(self) -> float | None:
         """The injected `lr` the last update used (None when the transform injects none)."""
@@ -276,42 +280,12 @@ class Trainer:
 
     def save(self) -> Path | None:
         """Write a checkpoint of this step (collective; the path on the main rank)."""
-        if self.checkpoints is None:
-            return None
-        state = {"tokens": int(self.tokens), "elapsed": self.elapsed, "recent": list(self.recent),
-                 "spikes": self.spikes, "skip": self.skip, "skipped": self.skipped}
-        path = self.checkpoints.save(
-            self.step, params=self.params(), opt_state=self.opt_state, ema=self.ema, config=self.config,
-            data_state={"step": self.step, "seed": self.config.seed},
-            metadata={"trainer": state, "world_size": self.world.size},
-        )
-        self.saved_at = self.step
-        return path
-
-    def _restore(self) -> Any:
-        """Load the newest checkpoint that loads into the model and the state, in place; None when none does."""
-        params = self.params()
-        c = self.checkpoints.restore(params_like=params, opt_state_like=self.opt_state, ema_like=self.ema)
-        if c is None:
-            return None
-        D.copy_into_(params, c.params)
-        D.copy_into_(self.opt_state, c.opt_state)
-        if self.ema is not None:
-            D.copy_into_(self.ema, c.ema)
-        t = c.manifest.metadata.get("trainer", {})
-        self.step, self.saved_at, self.elapsed = c.step, c.step, t.get("elapsed", 0.0)
-        self.tokens.fill_(t.get("tokens", 0))
-        self.spikes, self.skip, self.skipped = t.get("spikes", 0), t.get("skip", []), t.get("skipped", 0)
-        self.recent = collections.deque(t.get("recent", []), maxlen=self.config.spike_window)
-        self.nonfinite_logged = int(_nodes(self.opt_state, ps.ApplyIfFiniteState)[0].total_notfinite)
-        if self.world.size == c.manifest.metadata.get("world_size", 1):
-            c.restore_rng()
-        return c
+        return run_dir.save(self)
 
     def rewind(self) -> dict[str, Any]:
         """Back to the last checkpoint after repeated loss spikes; the batches since are skipped."""
         at = self.step
-        c = self._restore() if self.checkpoints is not None else None
+        c = run_dir.restore(self) if self.checkpoints is not None else None
         self.spikes = 0
         if c is None:
             log(f"step {at}: repeated loss spikes but no checkpoint to rewind to; skipping on")
@@ -320,49 +294,8 @@ class Trainer:
         log(f"step {at}: repeated loss spikes: rewound to step {self.step}, skipping batches {self.step}..{at - 1}")
         return {"to": self.step, "skipped": [self.step, at]}
 
-    # ------------------------------------------------------------------ #
-    # The run directory.
-    # ------------------------------------------------------------------ #
-
-    def _open_run(self, resume: bool) -> bool:
-        """Prepare the run directory (resuming if asked); False when there is nothing left to train."""
-        if self.out is None:
-            if self.config.checkpoint_every:
-                raise ConfigError("checkpoint_every", "checkpoints need a run directory: pass out=")
-            return True
-        latest = self.checkpoints.latest()
-        held = latest is not None or (self.out / "metrics.jsonl").exists()
-        if held and not resume:
-            raise RunDirError(f"{self.out}: already holds a run; pass --resume to continue it or a new --out")
-        if resume and held:
-            manifest = read_manifest(latest) if latest is not None else None
-            changes = resume_changes(manifest and manifest.config, self.config, manifest.step if manifest else 0)
-            c = self._restore()
-            if c is None:
-                raise RunDirError(f"{self.out}: no checkpoint that loads; nothing to resume")
-            self._take_hyperparams()
-            if self.world.main:
-                log(f"resumed from {checkpoint_dir(self.out, self.step)} at step {self.step}")
-                for message in changes:
-                    log(f"resume: {message}")
-            if self._finished():
-                log(f"nothing to do: the run finished at step {self.step} (steps={self.config.steps}); "
-                    "pass a larger --steps to train on")
-                return False
-        D.barrier(self.world)
-        if self.world.main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            self.metrics.keep_until(self.step)  # drop what was logged after the checkpoint resumed from
-        return True
-
-    def _take_hyperparams(self) -> None:
-        """A resumed run uses its own constant hyperparameters, not the checkpoint's (a schedule re-evaluates the rest)."""
-        held = ps.get_hyperparams(self.opt_state)
-        for key, value in self.hyperparams.items():
-            for dst, src in zip(pytree.tree_leaves(held[key]), pytree.tree_leaves(value)):
-                dst.copy_(src)
-
-    def _finished(self) -> bool:
+    def finished(self) -> bool:
+        """Whether the run has done its `steps` (or spent its `time_budget`)."""
         budget = self.config.time_budget
         return self.step >= self.config.steps or (budget is not None and self.elapsed >= budget)
 
@@ -379,7 +312,7 @@ class Trainer:
                 "tokens_per_s": tok_s, "time": self.elapsed}
         if self.flops_per_token and self.peak_flops:
             line["mfu"] = self.flops_per_token * tok_s / (self.peak_flops * self.world.size)
-        nonfinite = int(_nodes(self.opt_state, ps.ApplyIfFiniteState)[0].total_notfinite)
+        nonfinite = int(self.nonfinite())
         if nonfinite > self.nonfinite_logged:
             event = {"step": self.step, "event": "skip_nonfinite", "skipped": nonfinite - self.nonfinite_logged}
             self.metrics.write(event)
@@ -398,7 +331,7 @@ class Trainer:
         `SystemExit(128 + signal)` (no traceback); `fit(resume=True)` continues it.
         """
         cfg = self.config
-        if not self._open_run(resume):
+        if not run_dir.open_run(self, resume):
             return dict(self.last, step=self.step)
         w, k = self.world, cfg.grad_accum
         start = max([self.step] + [b for a, b in self.skip if a <= self.step])  # batches the source gave out
@@ -406,7 +339,7 @@ class Trainer:
         since = (time.perf_counter(), float(self.tokens))
         self.model.train()
         with StopSignals(w.main) as stop, contextlib.closing(Progress(self.progress, cfg.steps, self.step)) as bar:
-            while not self._finished():
+            while not self.finished():
                 t0 = time.perf_counter()
                 record = self.train_step()
                 self.elapsed += time.perf_counter() - t0
@@ -416,7 +349,7 @@ class Trainer:
                     log(f"step {self.step}: loss spike skipped (loss {_read(record['loss']):.4g})")
                     if self.spikes >= cfg.spike_rewind:
                         self.metrics.write({"step": self.step, "event": "rewind", **self.rewind()})
-                due = self.step % cfg.log_every == 0 or self._finished()
+                due = self.step % cfg.log_every == 0 or self.finished()
                 if due and "loss" in record:
                     since = self._log(record, since)
                     bar.metrics(self.last)

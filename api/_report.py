@@ -97,11 +97,12 @@ class Progress:
         if not self.enabled or record.get("loss") is None:
             return
         lr = f"{record['lr']:.2e}" if record.get("lr") is not None else "-"
+        norm = f"{record['grad_norm']:.3f}" if record.get("grad_norm") is not None else "-"
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{record['loss']:.3f}", lr=lr, tok_s=f"{record['tokens_per_s']:.0f}")
         else:
             self.line(f"step {record['step']:6d}  loss {record['loss']:.4f}  lr {lr}  "
-                      f"grad norm {record['grad_norm']:.3f}  {record['tokens_per_s']:.0f} tok/s")
+                      f"grad norm {norm}  {record['tokens_per_s']:.0f} tok/s")
 
     def line(self, text: str) -> None:
         if self.enabled:

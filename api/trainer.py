@@ -116,6 +116,7 @@ class Trainer:
         # FSDP2 params are DTensors, which foreach copies do not support: update purely, then copy.
         self.update = ps.make_update(self.transform, compile=cfg.compile, donate=not self.fsdp, ema=ema)
         self.opt_state = self.transform.init(params)
+        self.clipped = len(_nodes(self.opt_state, ps.ClipByGlobalNormState)) == 1  # its state holds the grad norm
         self.ema_pair, self.ema = ema, (ema[0](params) if ema is not None else None)
         self.hyperparams = {k: pytree.tree_map(torch.clone, v) for k, v in ps.get_hyperparams(self.opt_state).items()}
         self.out = Path(out) if out is not None else None
@@ -173,8 +174,7 @@ class Trainer:
         return max(done, self.elapsed / budget) if budget else done
 
     def _grad_norm(self) -> Tensor | None:
-        clips = _nodes(self.opt_state, ps.ClipByGlobalNormState)
-        return clips[0].norm if len(clips) == 1 else None
+        return _nodes(self.opt_state, ps.ClipByGlobalNormState)[0].norm if self.clipped else None
 
     # ------------------------------------------------------------------ #
     # One step.
@@ -211,8 +211,9 @@ class Trainer:
             if self.config.time_budget:
                 for clock in self._clocks():
                     clock.fill_(int(self._progress() * self.config.steps))
-            if self._grad_norm() is None:
-                record["grad_norm"] = ps.tree_global_norm(grads)
+            logged = (self.step + 1) % self.config.log_every == 0 or self.step + 1 >= self.config.steps
+            if not self.clipped and (logged or self.config.time_budget):
+                record["grad_norm"] = ps.tree_global_norm(grads)  # no clip state to read it from
             params = self.params()
             out = self.update(params, grads, self.opt_state, *(() if self.ema is None else (self.ema,)))
             if self.fsdp:

@@ -103,6 +103,9 @@ class Trainer:
         self.module = D.wrap(model if model is not None else build_model(cfg.model), self.world, precision=cfg.precision)
         self.model = torch.compile(self.module) if cfg.compile else self.module
         self.named = dict(D.unwrap(self.module).named_parameters())
+        # Detached aliases that a compiled, donated update re-points into its flat buffers
+        # together with the module's own parameters (see ps.make_update).
+        self._params = ps.functional_model(D.unwrap(self.module))[1]
         self.fsdp = self.world.strategy == "fsdp"
         params = self.params()
         if transform is None:
@@ -143,7 +146,7 @@ class Trainer:
 
     def params(self) -> dict[str, Tensor]:
         """The model's parameters as the update sees them (sharing storage with the module)."""
-        return {name: p.detach() for name, p in self.named.items()}
+        return self._params
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         # FSDP2 on CUDA casts through its MixedPrecisionPolicy instead.
@@ -219,8 +222,8 @@ class Trainer:
             if self.fsdp:
                 D.copy_into_(params, out[0])
             self.opt_state, self.ema = self._settled(out[1]), (out[2] if self.ema is not None else None)
-        for p in self.named.values():
-            p.grad = None
+        # Zeroed in place, not dropped: the next backward writes where the update reads.
+        torch._foreach_zero_([D.local(g) for g in grads.values()])
         self.step += 1
         self.tokens += total[1]
         if "event" in record:

@@ -124,6 +124,21 @@ def test_a_cuda_train_step_never_syncs():
         torch.cuda.set_sync_debug_mode("default")
 
 
+def test_a_compiled_trainer_trains_the_module_through_the_flat_buffers():
+    # compile=True: the model is compiled and the update runs donated over flat buffers, into
+    # which the module's own parameters are re-pointed: the forward must see every update.
+    cfg = apply_overrides(TrainConfig(), ["steps=4", "batch_size=8", "log_every=1"])
+    eager = _linear_run(cfg, ps.adamw(1e-2))
+    eager.fit()
+    compiled = _linear_run(apply_overrides(cfg, ["compile=true"]), ps.adamw(1e-2))
+    compiled.fit()
+    assert compiled.update.layout() is not None  # the flat path, not the per-leaf one
+    for k, p in eager.named.items():
+        assert compiled.named[k].data_ptr() == compiled.params()[k].data_ptr()
+        torch.testing.assert_close(compiled.named[k], p, rtol=1e-5, atol=1e-6)
+    assert compiled.last["loss"] == pytest.approx(eager.last["loss"], rel=1e-5)
+
+
 # --------------------------------------------------------------------------- #
 # The config: honoured or refused.
 # --------------------------------------------------------------------------- #

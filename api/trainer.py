@@ -343,17 +343,23 @@ class Trainer:
         since = (time.perf_counter(), float(self.tokens))
         self.model.train()
         with StopSignals(w.main) as stop, contextlib.closing(Progress(self.progress, cfg.steps, self.step)) as bar:
+            spent = 0.0
             while not self.finished():
                 t0 = time.perf_counter()
                 record = self.train_step()
-                self.elapsed += time.perf_counter() - t0
+                spent += time.perf_counter() - t0
+                due = self.step % cfg.log_every == 0 or self.step >= cfg.steps
+                # One process counts the time every step; under torchrun the ranks agree on it (and
+                # so on the budget and the schedule's progress) at log steps.
+                if due or not w.distributed:
+                    self.elapsed, spent = self.elapsed + self._agreed(spent), 0.0
+                    due = due or self.finished()
                 bar.step(self.step)
                 if record.get("event") == "skip_spike":
                     self.metrics.write({"step": self.step, "event": "skip_spike", "loss": _read(record["loss"])})
                     log(f"step {self.step}: loss spike skipped (loss {_read(record['loss']):.4g})")
                     if self.spikes >= cfg.spike_rewind:
                         self.metrics.write({"step": self.step, "event": "rewind", **self.rewind()})
-                due = self.step % cfg.log_every == 0 or self.finished()
                 if due and "loss" in record:
                     since = self._log(record, since)
                     bar.metrics(self.last)
@@ -368,6 +374,13 @@ class Trainer:
         if self.saved_at != self.step:
             self.save()  # a finished run always has a checkpoint
         return dict(self.last, step=self.step)
+
+    def _agreed(self, seconds: float) -> float:
+        """`seconds` averaged over the ranks (a collective under torchrun)."""
+        if not self.world.distributed:
+            return seconds
+        t = torch.tensor(seconds, dtype=torch.float64, device=self.world.device)
+        return float(D.all_reduce_sum(t, self.world)) / self.world.size
 
     def _preempted(self, signum: int) -> None:
         import signal

@@ -410,3 +410,15 @@ def test_time_budget_stops_the_run_and_drives_the_schedule_by_progress():
     assert 2 <= t.step < 100000 and t.elapsed >= 3
     # By step count the schedule would still be at its peak; by progress it has decayed.
     assert t.lr() < 0.02 * 0.9
+
+
+def test_a_time_budget_under_ddp_ends_on_every_rank_together(tmp_path):
+    # Each rank times its own steps; they must agree when the budget is spent, or one waits forever.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER),
+           str(tmp_path), "ddp", "100000", "--set", "time_budget=4", "--set", "checkpoint_every=0", "--set", "log_every=2"]
+    out = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    step = int(out.stdout.split("done ")[1].split()[0])
+    assert 2 <= step < 100000 and step % 2 == 0  # stopped at a log step, where the ranks agree
+    assert load_checkpoint(tmp_path / "checkpoints" / f"step_{step:08d}").manifest.metadata["trainer"]["elapsed"] >= 4
+

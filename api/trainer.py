@@ -120,7 +120,7 @@ class Trainer:
         self.update = ps.make_update(self.transform, compile=cfg.compile, donate=not self.fsdp, ema=ema)
         self.opt_state = self.transform.init(params)
         self.clipped = len(_nodes(self.opt_state, ps.ClipByGlobalNormState)) == 1  # its state holds the grad norm
-        self.ema_pair, self.ema = ema, (ema[0](params) if ema is not None else None)
+        self.ema = ema[0](params) if ema is not None else None
         self.hyperparams = {k: pytree.tree_map(torch.clone, v) for k, v in ps.get_hyperparams(self.opt_state).items()}
         self.out = Path(out) if out is not None else None
         self.checkpoints = None if self.out is None else CheckpointManager(

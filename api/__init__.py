@@ -17,6 +17,7 @@ from .config import ScheduleConfig as ScheduleConfig
 from .config import TrainConfig as TrainConfig
 from .config import apply_overrides as apply_overrides
 from .config import load_config as load_config
+from ._report import RunDirError as RunDirError
 from .optimizer import Optimizer as Optimizer
 from .trainer import Trainer as Trainer
 
@@ -38,6 +39,7 @@ __all__: list[str] = [
     "ModelConfig",
     "DataConfig",
     "ConfigError",
+    "RunDirError",
     "load_config",
     "apply_overrides",
 ]

@@ -11,18 +11,17 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-import msgspec
 import torch
 
-import purestep.core as ps
-
 from . import checkpoint as ckpt
+from ._report import RunDirError, read_metrics
 from .config import ConfigError, DataConfig, ModelConfig, OptimizerConfig, ScheduleConfig, TrainConfig, apply_overrides
-from .config import build_optimizer, load_config
+from .config import load_config
 
 
 class UsageError(ValueError):
@@ -46,68 +45,15 @@ def demo_config() -> TrainConfig:
 
 
 # --------------------------------------------------------------------------- #
-# Building a run from a config.
+# A run from a config.
 # --------------------------------------------------------------------------- #
 
 
-def build_data(cfg: TrainConfig) -> Any:
-    from .data import ByteCorpus, stdlib_corpus
-
-    d = cfg.data
-    max_bytes = d.max_bytes or 1 << 40
-    if d.source == "stdlib":
-        tokens = stdlib_corpus(max_bytes)
-    else:
-        path = Path(d.source)
-        if path.is_dir():
-            tokens = stdlib_corpus(max_bytes, root=path)
-        elif path.is_file():
-            tokens = torch.frombuffer(bytearray(path.read_bytes()[:max_bytes]), dtype=torch.uint8)
-        else:
-            raise UsageError(f"data.source: {path} is neither 'stdlib' nor an existing file or folder")
-    try:
-        return ByteCorpus(
-            tokens, seq_len=cfg.model.block_size, batch_size=cfg.batch_size, seed=cfg.seed,
-            val_fraction=d.val_fraction or 0.05,
-        )
-    except ValueError as e:
-        raise UsageError(f"data.source: {e}") from None
-
-
-def build_model(cfg: TrainConfig) -> torch.nn.Module:
-    from .models import GPT
-
-    m = cfg.model
-    if m.name != "gpt":
-        raise UsageError(f"model.name: {m.name!r} is not a model the command knows ('gpt'); use the Trainer for your own")
-    if m.vocab_size < 256:
-        raise UsageError(f"model.vocab_size: {m.vocab_size} is too small for byte tokens (needs 256)")
-    if m.dropout:
-        raise UsageError("model.dropout: the demo GPT has no dropout; set it to 0")
-    try:
-        return GPT(vocab_size=m.vocab_size, dim=m.n_embd, n_layers=m.n_layer, n_heads=m.n_head, seq_len=m.block_size,
-                   **m.kwargs)
-    except (TypeError, ValueError) as e:
-        raise UsageError(f"model: {e}") from None
-
-
 def build_trainer(cfg: TrainConfig, out: Path | None, *, progress: bool) -> Any:
-    from .models import lm_loss
+    """The `Trainer` of `cfg`: model, data and transform built from its sections."""
     from .trainer import Trainer
 
-    torch.manual_seed(cfg.seed)
-    model = build_model(cfg)
-    lr = cfg.optimizer.lr
-    schedule = cfg.build_schedule()
-    # A constant injected lr, shaped by the Trainer (so a time budget can drive it by progress).
-    transform = build_optimizer(cfg.optimizer, lr)
-    if callable(schedule) and lr > 0:
-        lr_schedule = lambda t: schedule(t) / lr  # noqa: E731
-    else:
-        lr_schedule = None
-    ema = ps.params_ema(cfg.ema_decay) if cfg.ema_decay else None
-    return Trainer(model, transform, lm_loss, cfg, data=build_data(cfg), out=out, lr_schedule=lr_schedule, ema=ema,
-                   progress=progress)
+    return Trainer(config=cfg, out=out, progress=progress)
 
 
 def _sample(trainer: Any, prompt: str = "def ", n: int = 160) -> str:
@@ -144,20 +90,6 @@ def run(cfg: TrainConfig, out: Path | None, *, resume: bool, sample: bool = Fals
         trainer.close()
 
 
-def _records(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        raise UsageError(f"{path}: no such file; is {run_dir} a purestep run directory?")
-    out = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise UsageError(f"{path}:{i}: not a JSON line") from None
-    return out
-
-
 # --------------------------------------------------------------------------- #
 # plot and inspect.
 # --------------------------------------------------------------------------- #
@@ -170,7 +102,7 @@ def plot(run_dir: Path, png: Path | None = None) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = _records(run_dir)
+    records = read_metrics(run_dir / "metrics.jsonl")
     train = [r for r in records if r.get("loss") is not None and "event" not in r]
     if not train:
         raise UsageError(f"{run_dir / 'metrics.jsonl'}: holds no logged steps yet")
@@ -299,15 +231,18 @@ def _main(argv: Sequence[str] | None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the `purestep` console script."""
-    from .trainer import RunDirError
-
     try:
         code = _main(argv)
-    except (ConfigError, UsageError, RunDirError, ckpt.CheckpointError, FileNotFoundError) as e:
+    except BrokenPipeError:
+        # Whoever read our output has gone (`purestep inspect ... | head`): stop quietly, as a
+        # program killed by SIGPIPE does, and keep the interpreter from flushing into the pipe.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 128 + signal.SIGPIPE
+    except (ConfigError, UsageError, RunDirError, ckpt.CheckpointError) as e:
         print(f"purestep: error: {e}", file=sys.stderr)
         code = 2
-    except msgspec.ValidationError as e:
-        print(f"purestep: error: {e}", file=sys.stderr)
+    except OSError as e:  # disk full, a read-only directory...: the path and the reason
+        print(f"purestep: error: {e.filename}: {e.strerror}" if e.filename else f"purestep: error: {e}", file=sys.stderr)
         code = 2
     except ValueError as e:  # core validation (hyperparameters), named by the message
         print(f"purestep: error: {e}", file=sys.stderr)

@@ -1,21 +1,19 @@
 """Run configuration: frozen msgspec Structs, loaded from TOML, YAML or JSON, with `key.sub=value` overrides.
 
-Every error names the field path (`optimizer.lr: Expected float >= 0.0`). Names in the
-optimizer and schedule sections are resolved through `purestep.core`'s public names when
-the transform is built, so a new optimizer needs no registration here.
+Every error is a `ConfigError` that carries the dotted field path (`error.field`) and
+where the bad value came from (`error.source`: the file, or the `--set` override).
+Names in the optimizer and schedule sections are resolved through `purestep.core`'s
+public names when the transform is built, so a new optimizer needs no registration here.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
-import re
 import typing
 from pathlib import Path
 from typing import Any, Annotated, Iterable, Literal, Union
 
 import msgspec
-import torch
 from msgspec import Meta
 
 import purestep.core as ps
@@ -26,7 +24,16 @@ NonNegativeFloat = Annotated[float, Meta(ge=0)]
 
 
 class ConfigError(ValueError):
-    """A config that cannot be loaded; the message starts with the field path (and file)."""
+    """A config that cannot be used: `field` is the dotted path of the bad field ("" for
+    the whole file), `source` the file or `--set` override the value came from."""
+
+    def __init__(self, field: str, message: str, source: str | None = None) -> None:
+        self.field, self.message, self.source = field, message, source
+        super().__init__(": ".join(part for part in (source, field, message) if part))
+
+    def at(self, source: str) -> "ConfigError":
+        """The same error, said to come from `source`."""
+        return ConfigError(self.field, self.message, source)
 
 
 class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -39,8 +46,9 @@ class OptimizerConfig(_Section):
     `kwargs` are its keyword arguments (`weight_decay`, `betas`...); a string naming a
     public purestep function passes that function (`mask = "decay_mask"`), a string for
     a `*dtype` argument names a torch dtype (`ns_dtype = "bfloat16"`). `lr` is the peak
-    learning rate the schedule shapes; `clip_grad_norm` chains `ps.clip_by_global_norm`
-    in front (None: no clipping).
+    learning rate the schedule shapes; any other `*_lr` keyword (`muon_adamw`'s
+    `adamw_lr`) follows the same shape scaled to its own peak. `clip_grad_norm` chains
+    `ps.clip_by_global_norm` in front (None: no clipping).
     """
 
     name: str = "adamw"
@@ -66,7 +74,7 @@ class ScheduleConfig(_Section):
 
 
 class ModelConfig(_Section):
-    """`[model]`: a GPT-style model (the demo's); `kwargs` for a model of your own."""
+    """`[model]`: the byte-level GPT of `purestep.api.models` (`kwargs`: more `GPT` arguments)."""
 
     name: str = "gpt"
     vocab_size: PositiveInt = 256
@@ -77,32 +85,38 @@ class ModelConfig(_Section):
     dropout: Annotated[float, Meta(ge=0, lt=1)] = 0.0
     kwargs: dict[str, Any] = {}
 
-    def __post_init__(self) -> None:
-        if self.n_embd % self.n_head:
-            raise ValueError(f"n_embd: {self.n_embd} is not divisible by n_head={self.n_head}")
-
 
 class DataConfig(_Section):
     """`[data]`: `source = "stdlib"` (the Python standard library's sources, on every
-    machine) or a path to a text file or directory."""
+    machine) or a path to a text file or a folder of `.py` files; bytes are tokens."""
 
     source: str = "stdlib"
     max_bytes: Union[PositiveInt, None] = 2_000_000
-    val_fraction: Annotated[float, Meta(ge=0, lt=1)] = 0.05
+    val_fraction: Annotated[float, Meta(gt=0, lt=1)] = 0.05
     kwargs: dict[str, Any] = {}
 
 
 class TrainConfig(_Section):
-    """A training run.
+    """A training run. The `Trainer` reads every field; the command adds only `--out`,
+    `--steps`, `--resume` and `--set`.
 
-    `steps` optimizer steps of `batch_size` sequences (the global batch, split into
-    `grad_accum` micro-batches); a checkpoint every `checkpoint_every` steps (0: only at
-    the end), of which `keep_last` are kept; metrics every `log_every` steps; evaluation
-    every `eval_every` steps (0: never); `time_budget` seconds (None: no limit);
-    `ema_decay` keeps an EMA of the params (None: none). Evaluation averages
-    `eval_batches` validation batches. A step whose loss exceeds `spike_factor` x the
-    mean of the last `spike_window` accepted losses is skipped (0: never), and
-    `spike_rewind` such spikes in a row rewind to the last checkpoint.
+    The loop: `steps` optimizer steps (or `time_budget` seconds, None: no limit) of
+    `batch_size` rows, the global batch over all ranks, split into `grad_accum`
+    micro-batches; `seed` seeds the model's init and the data. Metrics every `log_every`
+    steps; evaluation on `eval_batches` validation batches every `eval_every` steps (0:
+    never); a checkpoint every `checkpoint_every` steps (0: only at the end; a finished
+    run always has one), of which `keep_last` are kept. `strategy`, `precision` (bf16
+    autocast; fp16 is refused: it needs loss scaling) and `compile` say how it runs;
+    `ema_decay` keeps an EMA of the params (None: none). A step whose loss exceeds
+    `spike_factor` x the mean of the last `spike_window` accepted losses is skipped (0:
+    never; on, it reads the loss every step), and `spike_rewind` such spikes in a row
+    rewind to the last checkpoint.
+
+    The sections describe the objects the `Trainer` builds when it is not given them:
+    `optimizer` + `schedule` the transform, `model` the GPT, `data` the corpus. Given an
+    object (`transform=`, `model=`, `data=`), a section changed from its defaults would
+    be ignored, so it is refused (a `ConfigError` naming the field); the one exception is
+    `optimizer.clip_grad_norm`, which the Trainer chains in front of a given transform.
 
     Example:
         >>> from purestep.api import TrainConfig, apply_overrides
@@ -135,204 +149,76 @@ class TrainConfig(_Section):
 
     def __post_init__(self) -> None:
         if self.batch_size % self.grad_accum:
-            raise ValueError(f"grad_accum: {self.grad_accum} does not divide batch_size={self.batch_size}")
+            raise ConfigError("grad_accum", f"{self.grad_accum} does not divide batch_size={self.batch_size}")
+        if self.model.n_embd % self.model.n_head:
+            raise ConfigError("model.n_embd", f"{self.model.n_embd} is not divisible by model.n_head={self.model.n_head}")
+        if self.precision == "fp16":
+            raise ConfigError("precision", "'fp16' needs loss scaling, which the Trainer does not run; use 'bf16'")
         self.build_optimizer()  # names and arguments are checked now, not at step 1
 
     def build_schedule(self) -> Any:
         """The lr: `optimizer.lr`, or a `ps.*_schedule` of it as the schedule section says."""
+        from ._build import build_schedule
+
         return build_schedule(self.schedule, self.optimizer.lr, self.steps)
 
-    def build_optimizer(self, *, inject: bool = True) -> ps.Transform:
-        """The purestep transform the optimizer and schedule sections describe.
+    def build_optimizer(self) -> ps.Transform:
+        """The transform the optimizer and schedule sections describe, the one the Trainer runs.
 
-        With `inject` (the default) it is built with `ps.inject_hyperparams`, so the lr
-        in use is `ps.tree_get(state, "lr")` and `Optimizer` param groups expose it.
+        Built with `ps.inject_hyperparams`, the schedule inside: the lr of the last update
+        is `ps.get_hyperparams(state)["lr"]`, and `Optimizer` param groups expose it.
         """
-        return build_optimizer(self.optimizer, self.build_schedule(), inject=inject)
+        from ._build import build_optimizer
+
+        return build_optimizer(self.optimizer, self.build_schedule())
 
 
 # --------------------------------------------------------------------------- #
-# Building transforms from sections.
+# From plain data: locating the bad field.
 # --------------------------------------------------------------------------- #
-
-
-def _public(name: str, what: str, field: str) -> Any:
-    if name not in ps.__all__ or not callable(getattr(ps, name, None)):
-        raise ValueError(f"{field}: {name!r} is not a public purestep.core {what}")
-    return getattr(ps, name)
-
-
-def _argument(name: str, value: Any, field: str) -> Any:
-    if isinstance(value, list):
-        return tuple(_argument(name, v, field) for v in value)
-    if isinstance(value, str) and (name in ("mask", "labels") or name.endswith(("_mask", "_labels"))):
-        return _public(value, "function", field)
-    if isinstance(value, str) and name.endswith("dtype"):
-        dtype = getattr(torch, value, None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"{field}: {value!r} is not a torch dtype (e.g. 'bfloat16', 'float32')")
-        return dtype
-    return value
-
-
-def _field_of(error: Exception, section: str, names: dict[str, str]) -> str:
-    """Turn a core ValueError ('weight_decay must be >= 0, got -1') into 'section.kwargs.weight_decay: ...'."""
-    message = str(error)
-    match = re.match(r"([A-Za-z_]\w*)(\[\d+\])?", message)
-    if match and match.group(1) in names:
-        return f"{names[match.group(1)]}{match.group(2) or ''}: {message}"
-    return f"{section}: {message}"
-
-
-def build_schedule(section: ScheduleConfig, lr: float, steps: int) -> Any:
-    """`ps.<section.name>_schedule` with its first argument `lr`, or `lr` for "constant"."""
-    if section.name == "constant" and not section.kwargs:
-        return lr
-    name = section.name if section.name.endswith("_schedule") else f"{section.name}_schedule"
-    if name not in ps.__all__:
-        known = sorted(n[: -len("_schedule")] for n in ps.__all__ if n.endswith("_schedule"))
-        raise ValueError(f"schedule.name: {section.name!r} is not a purestep schedule; one of {known}")
-    factory = getattr(ps, name)
-    params = list(inspect.signature(factory).parameters)
-    kwargs: dict[str, Any] = {params[0]: lr}
-    fields = {params[0]: "optimizer.lr"}
-    warmup = section.warmup_steps if section.warmup_steps is not None else steps // 20
-    offered = {
-        "steps": (steps, "steps"),
-        "total_steps": (steps, "steps"),
-        "warmup_steps": (warmup, "schedule.warmup_steps"),
-        "decay_steps": (section.decay_steps, "schedule.decay_steps"),
-        "final": (section.final_lr, "schedule.final_lr"),
-        "end": (section.final_lr, "schedule.final_lr"),
-    }
-    for arg, (value, field) in offered.items():
-        if arg in params and value is not None:
-            kwargs[arg] = value
-            fields[arg] = field
-    used = set(fields.values())
-    for field, value, default in (
-        ("warmup_steps", section.warmup_steps, None),
-        ("decay_steps", section.decay_steps, None),
-        ("final_lr", section.final_lr, 0.0),
-    ):
-        if value != default and f"schedule.{field}" not in used:
-            raise ValueError(f"schedule.{field}: {name} takes no such argument")
-    for arg, value in section.kwargs.items():
-        if arg not in params or arg == params[0]:
-            raise ValueError(f"schedule.kwargs.{arg}: {name} has no argument {arg!r} (it takes {params[1:]})")
-        kwargs[arg] = _argument(arg, value, f"schedule.kwargs.{arg}")
-        fields[arg] = f"schedule.kwargs.{arg}"
-    missing = [p for p, v in inspect.signature(factory).parameters.items() if v.default is v.empty and p not in kwargs]
-    if missing:
-        field = offered[missing[0]][1] if missing[0] in offered else f"schedule.kwargs.{missing[0]}"
-        raise ValueError(f"{field}: {name} needs {missing[0]!r}; set it in the config")
-    try:
-        return factory(**kwargs)
-    except (ValueError, TypeError) as e:
-        raise ValueError(_field_of(e, "schedule", fields)) from None
-
-
-def build_optimizer(section: OptimizerConfig, lr: Any = None, *, inject: bool = True) -> ps.Transform:
-    """`ps.<section.name>(lr=lr, **section.kwargs)`, behind `ps.clip_by_global_norm` if asked."""
-    factory = _public(section.name, "optimizer", "optimizer.name")
-    params = inspect.signature(factory).parameters
-    if "lr" not in params:
-        raise ValueError(f"optimizer.name: {section.name!r} is not a purestep optimizer (it takes no lr)")
-    kwargs = {}
-    fields = {"lr": "optimizer.lr"}
-    for arg, value in section.kwargs.items():
-        if arg == "lr":
-            raise ValueError("optimizer.kwargs.lr: set optimizer.lr instead")
-        if arg not in params:
-            raise ValueError(
-                f"optimizer.kwargs.{arg}: {section.name} has no argument {arg!r} "
-                f"(it takes {[p for p in params if p != 'lr']})"
-            )
-        kwargs[arg] = _argument(arg, value, f"optimizer.kwargs.{arg}")
-        fields[arg] = f"optimizer.kwargs.{arg}"
-    lr = section.lr if lr is None else lr
-    try:
-        transform = (ps.inject_hyperparams(factory) if inject else factory)(lr=lr, **kwargs)
-    except (ValueError, TypeError) as e:
-        raise ValueError(_field_of(e, "optimizer", fields)) from None
-    if not isinstance(transform, ps.Transform):
-        raise ValueError(f"optimizer.name: {section.name!r} is not a purestep optimizer")
-    if section.clip_grad_norm is not None:
-        transform = ps.chain(ps.clip_by_global_norm(section.clip_grad_norm), transform)
-    return transform
-
-
-# --------------------------------------------------------------------------- #
-# Loading and overriding.
-# --------------------------------------------------------------------------- #
-
-
-def _yaml_loader() -> Any:
-    import yaml
-
-    class Loader(yaml.SafeLoader):
-        pass
-
-    # YAML 1.1 reads `1e-3` (no dot) as a string; read it as a float, as TOML and JSON do.
-    exponent_only = re.compile(r"^[-+]?\d[\d_]*[eE][-+]?\d+$")
-    Loader.add_implicit_resolver("tag:yaml.org,2002:float", exponent_only, list("-+0123456789"))
-    return Loader
-
-
-def _read(path: Path) -> Any:
-    if not path.is_file():
-        raise ConfigError(f"{path}: no such config file")
-    data = path.read_bytes()
-    suffix = path.suffix.lower()
-    try:
-        if suffix == ".toml":
-            return msgspec.toml.decode(data)
-        if suffix in (".yaml", ".yml"):
-            import yaml
-
-            return yaml.load(data, Loader=_yaml_loader()) or {}
-        if suffix == ".json":
-            return msgspec.json.decode(data)
-    except Exception as e:  # each parser has its own error type
-        raise ConfigError(f"{path}: not valid {suffix[1:].upper()}: {e}") from None
-    raise ConfigError(f"{path}: unknown config format {suffix!r}; use .toml, .yaml, .yml or .json")
-
-
-def _describe(error: msgspec.ValidationError) -> str:
-    """msgspec's 'Expected `int`, got `str` - at `$.optimizer.lr`' as 'optimizer.lr: Expected `int`, got `str`'."""
-    message = str(error)
-    match = re.match(r"^(.*) - at `\$(.*)`$", message, re.S)
-    detail, path = (match.group(1), match.group(2)) if match else (message, "")
-    path = re.sub(r"\[(\d+)\]", r".\1", path).lstrip(".")
-    unknown = re.match(r"Object contains unknown field `(.+)`", detail)
-    if unknown:
-        field = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
-        known = _field_names(path)
-        return f"{field}: unknown field" + (f" (fields: {', '.join(known)})" if known else "")
-    inner = re.match(r"^([\w.\[\]]+): (.*)$", detail, re.S)
-    if inner:  # a __post_init__ error naming its field, relative to the struct at `path`
-        sub, detail = inner.groups()
-        path = f"{path}.{sub}" if path else sub
-    return f"{path or 'config'}: {detail}"
-
-
-def _struct_at(path: str) -> Any:
-    cls: Any = TrainConfig
-    for part in [p for p in path.split(".") if p]:
-        fields = {f.name: f.type for f in msgspec.structs.fields(cls)}
-        if part not in fields or not _is_struct(fields[part]):
-            return None
-        cls = fields[part]
-    return cls
-
-
-def _field_names(path: str) -> list[str]:
-    cls = _struct_at(path)
-    return [f.name for f in msgspec.structs.fields(cls)] if cls is not None else []
 
 
 def _is_struct(tp: Any) -> bool:
     return isinstance(tp, type) and issubclass(tp, msgspec.Struct)
+
+
+def _fields(cls: Any) -> dict[str, Any]:
+    return {f.name: f.type for f in msgspec.structs.fields(cls)}
+
+
+def _locate(data: dict[str, Any], cls: Any, prefix: str = "") -> ConfigError | None:
+    """The first field of `data` that `cls` rejects, found field by field."""
+    fields = _fields(cls)
+    for key in data:
+        if key not in fields:
+            return ConfigError(prefix + key, f"unknown field (fields: {', '.join(fields)})")
+    for key, value in data.items():
+        if _is_struct(fields[key]) and isinstance(value, dict):
+            found = _locate(value, fields[key], f"{prefix}{key}.")
+            if found is not None:
+                return found
+            continue
+        try:
+            msgspec.convert(value, fields[key])
+        except msgspec.ValidationError as e:
+            return ConfigError(prefix + key, str(e))
+    return None
+
+
+def _convert(data: Any, source: str | None) -> TrainConfig:
+    if not isinstance(data, dict):
+        raise ConfigError("", f"expected a table of fields, got {type(data).__name__}", source)
+    try:
+        return msgspec.convert(data, TrainConfig)
+    except msgspec.ValidationError as e:
+        if isinstance(e.__cause__, ConfigError):  # raised by __post_init__, with its field
+            raise e.__cause__.at(source) from None
+        raise (_locate(data, TrainConfig) or ConfigError("", str(e))).at(source) from None
+
+
+# --------------------------------------------------------------------------- #
+# Overrides.
+# --------------------------------------------------------------------------- #
 
 
 def _accepts_str(tp: Any) -> bool:
@@ -349,10 +235,10 @@ def _accepts_str(tp: Any) -> bool:
 
 
 def _parse_value(text: str, tp: Any) -> Any:
-    if _accepts_str(tp) and text.lower() not in ("none", "null"):
-        return text
     if text.lower() in ("none", "null"):
         return None
+    if _accepts_str(tp):
+        return text
     if text in ("True", "False"):
         return text == "True"
     try:
@@ -365,59 +251,126 @@ def _set(data: dict[str, Any], override: str) -> None:
     key, sep, text = override.partition("=")
     key = key.strip()
     if not sep or not key:
-        raise ConfigError(f"override {override!r}: expected key.sub=value")
+        raise ConfigError("", "expected key.sub=value")
     parts = key.split(".")
     cls: Any = TrainConfig
     node = data
     for i, part in enumerate(parts):
-        fields = {f.name: f.type for f in msgspec.structs.fields(cls)}
+        here = ".".join(parts[: i + 1])
+        fields = _fields(cls)
         if part not in fields:
-            raise ConfigError(f"{'.'.join(parts[: i + 1])}: unknown field (fields: {', '.join(fields)})")
-        tp = fields[part]
-        last = i == len(parts) - 1
-        if _is_struct(tp) and not last:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"{'.'.join(parts[: i + 1])}: expected a table")
-            cls = tp
-            continue
+            raise ConfigError(here, f"unknown field (fields: {', '.join(fields)})")
+        tp, last = fields[part], i == len(parts) - 1
         if last:
             node[part] = _parse_value(text.strip(), tp)
             return
-        # A dict field (kwargs): the rest of the key names the entry.
+        if _is_struct(tp):
+            node, cls = node[part], tp
+            continue
         if typing.get_origin(tp) is not dict:
-            raise ConfigError(f"{key}: {'.'.join(parts[: i + 1])} is a value, not a table")
-        entries = node.setdefault(part, {})
-        entries[".".join(parts[i + 1 :])] = _parse_value(text.strip(), Any)
+            raise ConfigError(key, f"{here} is a value, not a table")
+        node[part][".".join(parts[i + 1 :])] = _parse_value(text.strip(), Any)  # a kwargs entry
         return
 
 
-def _convert(data: Any, where: str) -> TrainConfig:
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}config: expected a table of fields, got {type(data).__name__}")
-    try:
-        return msgspec.convert(data, TrainConfig)
-    except msgspec.ValidationError as e:
-        raise ConfigError(f"{where}{_describe(e)}") from None
+def _touches(override: str, field: str) -> bool:
+    key = override.partition("=")[0].strip()
+    return key == field or field.startswith(key + ".") or key.startswith(field + ".")
 
 
 def apply_overrides(config: TrainConfig, overrides: Iterable[str]) -> TrainConfig:
-    """A new config with `key.sub=value` overrides applied, each value parsed to its field's type."""
-    data = msgspec.to_builtins(config)
+    """A new config with `key.sub=value` overrides applied, each value parsed to its field's type.
+
+    A `ConfigError` from an override says it came from `--set <override>` (every
+    override, when the bad field is none of theirs: `--set batch_size=10` breaking `grad_accum`).
+    """
+    overrides, data = list(overrides), msgspec.to_builtins(config)
     for override in overrides:
-        _set(data, override)
-    return _convert(data, "")
+        try:
+            _set(data, override)
+        except ConfigError as e:
+            raise e.at(f"--set {override}") from None
+    try:
+        return _convert(data, None)
+    except ConfigError as e:
+        culprits = [o for o in overrides if _touches(o, e.field)][-1:] or overrides
+        raise e.at(" ".join(f"--set {o}" for o in culprits)) from None
 
 
 def load_config(path: str | Path, overrides: Iterable[str] = ()) -> TrainConfig:
     """Load a `TrainConfig` from a `.toml`, `.yaml`/`.yml` or `.json` file, then apply `overrides`.
 
-    Raises `ConfigError` naming the file and the field path.
+    Raises `ConfigError` naming the field and its source: the file, or the override.
     """
-    path = Path(path)
-    data = _read(path)
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a table of fields at the top, got {type(data).__name__}")
-    for override in overrides:
-        _set(data, override)
-    return _convert(data, f"{path}: ")
+    from ._config_files import read_config_file
+
+    return apply_overrides(_convert(read_config_file(Path(path)), str(path)), overrides)
+
+
+# --------------------------------------------------------------------------- #
+# What the Trainer reads.
+# --------------------------------------------------------------------------- #
+
+
+def refuse_ignored(config: TrainConfig, given: dict[str, Any]) -> None:
+    """Refuse a field the `Trainer` would ignore: a section whose object it was given
+    (`transform=` for optimizer and schedule, `model=`, `data=`), or `ema_decay` with
+    `ema=`. `given` maps those argument names to the objects (None: not given)."""
+    sections = {"transform": ("optimizer", "schedule"), "model": ("model",), "data": ("data",)}
+    defaults = TrainConfig()
+    for arg, names in sections.items():
+        if given[arg] is None:
+            continue
+        for name in names:
+            ours, default = msgspec.to_builtins(getattr(config, name)), msgspec.to_builtins(getattr(defaults, name))
+            if name == "optimizer":  # honoured for a given transform too
+                ours.pop("clip_grad_norm"), default.pop("clip_grad_norm")
+            for key in ours:
+                if ours[key] != default[key]:
+                    raise ConfigError(f"{name}.{key}", f"set in the config, but the Trainer was given {arg}=, which "
+                                      f"replaces the [{name}] section; leave it at its default or drop {arg}=")
+    if given["ema"] is not None and config.ema_decay is not None:
+        raise ConfigError("ema_decay", "set in the config and ema= given too; keep one")
+
+
+# --------------------------------------------------------------------------- #
+# Resuming with changed settings.
+# --------------------------------------------------------------------------- #
+
+# A resumed run keeps what decides its data stream, its model and its optimizer's kind
+# (and the state they shape); anything else changed since the checkpoint is applied.
+_KEPT_ON_RESUME = ("seed", "batch_size", "model", "data", "optimizer.name")
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def resume_changes(saved: dict[str, Any] | None, config: TrainConfig, step: int) -> list[str]:
+    """What a resume at `step` from a checkpoint whose config was `saved` (plain data)
+    does with the fields `config` changes, one message each; a `ConfigError` for a
+    field a resumed run keeps (the data stream, the model, the optimizer's kind)."""
+    if saved is None:
+        return []
+    old, new = _flat(saved), _flat(msgspec.to_builtins(config))
+    messages = []
+    for field in sorted(old.keys() | new.keys()):
+        before, after = old.get(field), new.get(field)
+        if before == after:
+            continue
+        kept = any(field == k or field.startswith(k + ".") for k in _KEPT_ON_RESUME)
+        if kept or (field == "ema_decay" and (before is None) != (after is None)):
+            raise ConfigError(field, f"changed from {before!r} to {after!r} since the checkpoint; a resumed run "
+                              "keeps it (set it back, or start a new run in another directory)")
+        note = "applied"
+        if field == "steps" and config.schedule.name != "constant":
+            lr_was = float(msgspec.convert(saved, TrainConfig).build_schedule()(step))
+            note = f"reshapes the lr schedule: the lr at step {step} is {float(config.build_schedule()(step)):.3g}, was {lr_was:.3g}"
+        said = ["unset" if field not in side else repr(side[field]) for side in (old, new)]
+        messages.append(f"{field} changed from {said[0]} to {said[1]}: {note}")
+    return messages

@@ -1,15 +1,30 @@
-"""The demo's corpus: the Python standard library's own `.py` files, bytes as tokens.
+"""Data for the Trainer: step-indexed sources, iterables of batches, and the demo's corpus.
 
-Every machine that runs purestep has this text, so the demo downloads nothing. The
-global batch of a step is a pure function of `(seed, step)`: each rank takes its rows
-of that batch, so runs on any world size see the same data and resume anywhere.
+Two kinds of source feed `Trainer`:
+
+- a step-indexed source, any object with `batch(step, rank=0, world=1, split="train")`
+  returning this rank's rows of the global batch of `step` (`ByteCorpus`). The batch is
+  a pure function of `(seed, step)`, so a resume (on any world size) continues with
+  exactly the batches the uninterrupted run would have seen: bit-identical on CPU.
+- any iterable of batches: a `torch.utils.data.DataLoader`, a list, a generator
+  function's result. Iterated pass after pass; on resume the batches the checkpoint
+  had consumed are drawn again and dropped, so the run continues exactly only if the
+  iterable yields the same sequence again (a DataLoader with a seeded `generator=` and
+  no randomness in its workers does; one shuffled from the global RNG does not), and
+  the skipped batches cost their loading time. Under DDP/FSDP each rank iterates its
+  own (a `DistributedSampler`), and the batch it yields is that rank's share.
+
+The demo's corpus is the Python standard library's own `.py` files, bytes as tokens:
+every machine that runs purestep has this text, so the demo downloads nothing.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import sysconfig
 from pathlib import Path
+from typing import Any, Iterator
 
 import torch
 from torch import Tensor
@@ -99,3 +114,110 @@ def decode(tokens: Tensor | list[int]) -> str:
 def encode(text: str) -> Tensor:
     """Text as a (len,) int64 tensor of its UTF-8 bytes."""
     return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+
+
+# --------------------------------------------------------------------------- #
+# The two kinds of source, as the Trainer reads them.
+# --------------------------------------------------------------------------- #
+
+
+def is_step_indexed(source: Any) -> bool:
+    """Whether `source` gives the batch of any step (`source.batch(step, rank, world)`)."""
+    return callable(getattr(source, "batch", None))
+
+
+def train_batches(source: Any, start: int, rank: int, world: int, micro_batches: int = 1) -> Iterator[list[Any]]:
+    """This rank's micro-batches of each step, from step `start` on.
+
+    A step-indexed source splits them itself: micro-batch i of rank r is its
+    `batch(step, r * k + i, world * k)`, rows of the same global batch whatever the
+    world size and `k`. From an iterable, each step takes its next `k` batches (as
+    Lightning's `accumulate_grad_batches`), pass after pass; the first `start * k` are
+    drawn and dropped.
+    """
+    k = micro_batches
+    if is_step_indexed(source):
+        return ([source.batch(step, rank * k + i, world * k) for i in range(k)] for step in itertools.count(start))
+    if not hasattr(source, "__iter__"):
+        raise ValueError(
+            f"data must have batch(step, rank, world) or be an iterable of batches (a DataLoader), "
+            f"got {type(source).__name__}"
+        )
+    if iter(source) is source:
+        raise ValueError(
+            "data is a one-shot iterator; pass something that can be iterated again "
+            "(a DataLoader, a list, or an object whose __iter__ starts a new pass)"
+        )
+
+    def passes() -> Iterator[Any]:
+        while True:
+            empty = True
+            for batch in source:
+                empty = False
+                yield batch
+            if empty:
+                raise ValueError(f"data: the iterable ({type(source).__name__}) yielded no batches")
+
+    batches = itertools.islice(passes(), start * k, None)
+    return ([next(batches) for _ in range(k)] for _ in itertools.count(start))
+
+
+def eval_batches(source: Any, n: int, rank: int, world: int) -> list[Any]:
+    """The same `n` validation batches every time: `split="val"` of a step-indexed
+    source, or the first `n` batches of an iterable."""
+    if is_step_indexed(source):
+        return [source.batch(i, rank, world, split="val") for i in range(n)]
+    return list(itertools.islice(iter(source), n))
+
+
+def build_data(config: Any) -> ByteCorpus:
+    """The corpus the `data` section describes (`config` is a `TrainConfig`)."""
+    from .config import ConfigError
+
+    d = config.data
+    max_bytes = d.max_bytes or 1 << 40
+    if d.kwargs:
+        raise ConfigError("data.kwargs", f"the byte corpus takes no more arguments, got {sorted(d.kwargs)}")
+    path = Path(d.source)
+    try:
+        if d.source == "stdlib":
+            tokens = stdlib_corpus(max_bytes)
+        elif path.is_dir():
+            tokens = stdlib_corpus(max_bytes, root=path)
+        elif path.is_file():
+            with open(path, "rb") as f:
+                raw = f.read(max_bytes)
+            tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
+        else:
+            raise ConfigError("data.source", f"{path} is neither 'stdlib' nor an existing file or folder")
+        return ByteCorpus(tokens, seq_len=config.model.block_size, batch_size=config.batch_size, seed=config.seed,
+                          val_fraction=d.val_fraction)
+    except OSError as e:
+        raise ConfigError("data.source", f"{e.filename or path}: {e.strerror or e}") from None
+    except ValueError as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError("data.source", f"{d.source}: {e}") from None
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Every tensor of `batch` on `device` (from pinned memory, without waiting, to a GPU)."""
+
+    def move(t: Any) -> Any:
+        if not isinstance(t, Tensor) or t.device == device:
+            return t
+        return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
+
+    return torch.utils._pytree.tree_map(move, batch)
+
+
+def check_rows(micro: list[Any], world: int, batch_size: int) -> bool:
+    """A `ConfigError` naming `batch_size` unless the micro-batches of a step, on every rank, hold that many rows."""
+    from .config import ConfigError
+
+    rows = next(t for t in torch.utils._pytree.tree_leaves(micro[0]) if isinstance(t, Tensor)).shape[0]
+    given = rows * len(micro) * world
+    if given != batch_size:
+        raise ConfigError("batch_size", f"{batch_size}, but the data gives {given} rows a step "
+                          f"({rows} a batch x {len(micro)} micro-batches x {world} rank(s))")
+    return True

@@ -7,6 +7,7 @@ Names follow the conventions `ps.muon_labels` and `ps.decay_mask` read: `embed.*
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -124,6 +125,18 @@ class GPT(nn.Module):
         return seq
 
 
+# Peak dense bf16 FLOP/s of common accelerators, for MFU (per device).
+_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "4090": 165e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The peak dense bf16 FLOP/s of a known GPU (None elsewhere): MFU's denominator."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in _PEAK_FLOPS.items() if k in name), None)
+
+
 def lm_loss(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
     """Summed next-token cross-entropy and the number of tokens it sums over.
 
@@ -134,3 +147,20 @@ def lm_loss(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]
     target = batch["target"]
     loss = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), reduction="sum", ignore_index=-100)
     return loss, (target != -100).sum()
+
+
+def build_model(section: Any) -> GPT:
+    """The GPT the `model` section of a `TrainConfig` describes."""
+    from .config import ConfigError
+
+    if section.name != "gpt":
+        raise ConfigError("model.name", f"{section.name!r} is not a model purestep builds ('gpt'); pass model= to the Trainer")
+    if section.vocab_size < 256:
+        raise ConfigError("model.vocab_size", f"{section.vocab_size} is too small for byte tokens (needs 256)")
+    if section.dropout:
+        raise ConfigError("model.dropout", "the GPT has no dropout; set it to 0")
+    try:
+        return GPT(vocab_size=section.vocab_size, dim=section.n_embd, n_layers=section.n_layer, n_heads=section.n_head,
+                   seq_len=section.block_size, **section.kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError("model.kwargs" if section.kwargs else "model", str(e)) from None

@@ -84,6 +84,9 @@ def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0, mask: Any = None) 
 _NORM_NAME = re.compile(r"norm|^ln(_|\d|$)|_ln(_|\d|$)|^bn(_|\d|$)|_bn(_|\d|$)|^gn(_|\d|$)")
 _EMBED_NAME = re.compile(r"embed|^wte$|^wpe$|^emb(_|$)|_emb$|(^|_)token(s)?$|^pos_?emb")
 _BIAS_NAME = re.compile(r"bias")
+# The output head: a top-level module of one of these names (a numbered block's `output`
+# is BERT's hidden projection, not a head).
+_HEAD_NAMES = {"lm_head", "head", "output", "classifier", "fc", "out", "logits", "score", "unembed", "readout"}
 
 
 def _name_parts(path: str) -> list[str]:
@@ -92,6 +95,26 @@ def _name_parts(path: str) -> list[str]:
 
 def _is_embedding(path: str) -> bool:
     return any(_EMBED_NAME.search(part) for part in _name_parts(path))
+
+
+def param_kind(path: str, leaf: Any) -> str:
+    """The one classifier behind `decay_mask` and `muon_labels`: "vector" (< 2 dims),
+    "bias", "norm", "embedding" (tables and learned tokens), "head" (the output layer)
+    or "matrix" (every other weight, conv filters included), by rank then by name."""
+    if not isinstance(leaf, Tensor) or leaf.dim() <= 1:
+        return "vector"
+    parts = _name_parts(path)
+    if _BIAS_NAME.search(parts[-1]):
+        return "bias"
+    if any(_NORM_NAME.search(p) for p in parts):
+        return "norm"
+    if _is_embedding(path):
+        return "embedding"
+    names = path.split(".")
+    module = names[:-1] if names[-1] in ("weight", "bias") else names
+    if module and module[-1].lower() in _HEAD_NAMES and not any(p.isdigit() for p in module):
+        return "head"
+    return "matrix"
 
 
 def decay_mask(params: Params, exclude_embeddings: bool = True) -> PyTree:
@@ -117,12 +140,8 @@ def decay_mask(params: Params, exclude_embeddings: bool = True) -> PyTree:
     """
 
     def rule(path: str, leaf: Tensor) -> bool:
-        if leaf.dim() <= 1:
-            return False
-        parts = _name_parts(path)
-        if _BIAS_NAME.search(parts[-1]) or any(_NORM_NAME.search(p) for p in parts):
-            return False
-        return not (exclude_embeddings and _is_embedding(path))
+        kind = param_kind(path, leaf)
+        return kind in ("matrix", "head") or (kind == "embedding" and not exclude_embeddings)
 
     return tr.tree_map_with_path(rule, params)
 

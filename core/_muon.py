@@ -6,7 +6,6 @@ The update rule is written once, on `muon` in `_optimizers.py`.
 from __future__ import annotations
 
 import math
-import re
 from typing import Any, NamedTuple, Sequence, Union
 
 import torch
@@ -16,6 +15,7 @@ from torch import Tensor
 from . import _flat
 from . import _tree as tr
 from ._base import Params, PyTree, ScalarOrSchedule, Transform, check_hyperparam, check_nonnegative, check_positive, leaf_device, resolve, zero_count
+from ._decay import param_kind
 
 # torch.optim.Muon's quintic Newton-Schulz coefficients (from Keller Jordan's Muon), used every iteration.
 NS5_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -258,34 +258,17 @@ def scale_by_muon(
 # Routing: which leaves Muon takes.
 # --------------------------------------------------------------------------- #
 
-_EMBEDDING = re.compile(r"(^|[._])(embed\w*|wte|wpe|tok_embeddings|pos_emb\w*|token_emb\w*|emb)($|[._])")
-_HEAD_NAMES = {"lm_head", "head", "output", "classifier", "fc", "out", "logits", "score", "unembed", "readout"}
-_NORM = re.compile(r"(norm|(^|[._])ln\w*|(^|[._])bn\d*($|[._]))")
-
-
-def _muon_label(path: str, x: Tensor) -> str:
-    if not isinstance(x, Tensor) or x.dim() < 2:
-        return "adamw"  # scalars, biases, norm gains
-    parts = path.split(".")
-    module = parts[:-1] if parts[-1] in ("weight", "bias") else parts
-    lower = path.lower()
-    if _EMBEDDING.search(lower) or _NORM.search(lower):
-        return "adamw"
-    in_block = any(p.isdigit() for p in module)
-    if module and module[-1].lower() in _HEAD_NAMES and not in_block:
-        return "adamw"  # the output head (top level, not inside a numbered block)
-    return "muon"
-
 
 def muon_labels(params: Params) -> PyTree:
     """"muon" for hidden >= 2-D matrices, "adamw" for embeddings, the output head, norms, biases and scalars.
 
-    Rules, by rank then by dotted name: fewer than 2 dims → "adamw"; a name with an
-    embedding part (`embed*`, `wte`, `wpe`, `tok_embeddings`, `pos_emb*`) or a norm part
-    (`*norm*`, `ln*`, `bn*`) → "adamw"; a module named `lm_head`, `head`, `output`,
-    `classifier`, `fc`, `out`, `logits`, `score`, `unembed` or `readout` outside any
-    numbered block (`layers.3.`) → "adamw" (the output head); every other matrix,
-    conv filters included → "muon".
+    The leaves `ps.decay_mask` calls weight matrices, less the output head: the same
+    classifier decides both. By rank then by the last two parts of the dotted name:
+    fewer than 2 dims, biases, norm scales (`*norm*`, `ln_f`, `bn1`), embeddings and
+    learned tokens (`embed*`, `wte`, `wpe`, `pos_emb*`, `cls_token`) → "adamw"; a
+    module named `lm_head`, `head`, `output`, `classifier`, `fc`, `out`, `logits`,
+    `score`, `unembed` or `readout` outside any numbered block (`layers.3.`) → "adamw"
+    (the output head); every other matrix, conv filters included (`patch_embed.proj`) → "muon".
 
     Example:
         >>> import torch, purestep.core as ps
@@ -297,4 +280,4 @@ def muon_labels(params: Params) -> PyTree:
     References:
         Jordan et al., Muon: An optimizer for hidden layers in neural networks, 2024.
     """
-    return tr.tree_map_with_path(_muon_label, params)
+    return tr.tree_map_with_path(lambda path, x: "muon" if param_kind(path, x) == "matrix" else "adamw", params)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import resource
+import signal
 import subprocess
 import sys
 
@@ -91,3 +94,91 @@ def test_inspect_prints_the_tensor_table(demo_run, capsys):
 def test_plot_of_a_missing_run_names_the_file(tmp_path, capsys):
     assert run("plot", str(tmp_path)) == 2
     assert "metrics.jsonl" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- #
+# Errors of the world outside: one line, exit 2, never a traceback.
+# --------------------------------------------------------------------------- #
+
+TINY_SET = [arg for arg in TINY_DEMO if arg not in ("--steps", "4")]
+
+
+def command(*argv: str, preexec_fn=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "purestep.api", *argv], capture_output=True, text=True,
+                          preexec_fn=preexec_fn, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+
+
+def one_error_line(out: subprocess.CompletedProcess, *names: str) -> str:
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("purestep: error:")]
+    assert out.returncode == 2 and len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert all(name in lines[0] for name in names), lines[0]
+    return lines[0]
+
+
+def test_an_override_error_names_set(capsys):
+    assert run("demo", "--set", "optimizer.kwargs.eps=0") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("purestep: error: --set optimizer.kwargs.eps=0: optimizer.kwargs.eps: ") and "\n" not in err
+
+
+def test_output_into_a_closed_pipe_ends_quietly(demo_run):
+    proc = subprocess.Popen([sys.executable, "-m", "purestep.api", "inspect", str(demo_run)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # `| head` having read its fill
+    err = proc.stderr.read()
+    assert proc.wait() == 128 + signal.SIGPIPE and err == ""
+
+
+def test_a_full_disk_is_one_line_naming_the_path(tmp_path):
+    def small_files():  # every file this process writes is cut at 64 KiB: a disk that fills up
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))
+
+    out = command("demo", "--out", str(tmp_path / "run"), "--steps", "2", *TINY_SET, preexec_fn=small_files)
+    one_error_line(out, str(tmp_path / "run"))
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    mounted = False
+    if os.access(ro, os.W_OK):  # root ignores the mode: mount a read-only file system there
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(ro)]).returncode == 0
+        if not mounted:
+            pytest.skip("cannot make a read-only directory here")
+    yield ro
+    if mounted:
+        subprocess.run(["umount", str(ro)])
+    ro.chmod(0o755)
+
+
+def test_a_read_only_output_directory_is_one_line_naming_it(read_only_dir):
+    out = command("demo", "--out", str(read_only_dir / "run"), "--steps", "2", *TINY_SET)
+    one_error_line(out, str(read_only_dir / "run"))
+
+
+def test_an_empty_data_file_is_one_line_naming_it(tmp_path):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    out = command("demo", "--out", str(tmp_path / "run"), *TINY_SET, "--set", f"data.source={tmp_path / 'empty.txt'}")
+    one_error_line(out, "data.source", str(tmp_path / "empty.txt"))
+
+
+def test_a_torn_last_metrics_line_is_dropped_and_a_broken_one_named(demo_run, tmp_path, capsys):
+    run_dir = tmp_path / "copy"
+    run_dir.mkdir()
+    lines = (demo_run / "metrics.jsonl").read_text().splitlines()
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 5, "lo')  # killed mid-write
+    assert run("plot", str(run_dir)) == 0
+    (run_dir / "metrics.jsonl").write_text(lines[0] + "\n{oops\n" + "\n".join(lines[1:]) + "\n")
+    assert run("plot", str(run_dir)) == 2
+    assert capsys.readouterr().err.strip() == f"purestep: error: {run_dir / 'metrics.jsonl'}:2: not a JSON line"
+
+
+def test_a_yaml_alias_bomb_is_refused_fast(tmp_path):
+    from .test_config import alias_bomb
+
+    (tmp_path / "bomb.yaml").write_bytes(alias_bomb(9).encode())  # 10**9 nodes in ~500 bytes
+    assert len(alias_bomb(9)) < 600
+    one_error_line(command("train", str(tmp_path / "bomb.yaml")), "bomb.yaml", "aliases expand")

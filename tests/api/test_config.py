@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import msgspec
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 import purestep.core as ps
 from purestep.api import ConfigError, Optimizer, TrainConfig, apply_overrides, load_config
+from purestep.api.config import resume_changes
 
 TOML = """
 steps = 200
@@ -147,24 +149,27 @@ def test_overrides_are_parsed_to_the_field_type(files):
         (["precision=fp8"], "precision: Invalid enum value 'fp8'"),
         (["batch_size=0"], "batch_size: Expected `int` >= 1"),
         (["grad_accum=3"], "grad_accum: 3 does not divide batch_size=64"),
-        (["model.n_head=3"], "model.n_embd: 64 is not divisible by n_head=3"),
+        (["model.n_head=3"], "model.n_embd: 64 is not divisible by model.n_head=3"),
         (["data.val_fraction=1.5"], "data.val_fraction: Expected `float` < 1.0"),
         (["optimizer.name=nonesuch"], "optimizer.name: 'nonesuch' is not a public purestep.core optimizer"),
         (["optimizer.name=tree_get"], "optimizer.name: 'tree_get' is not a purestep optimizer"),
         (["optimizer.kwargs.bogus=1"], "optimizer.kwargs.bogus: adamw has no argument 'bogus'"),
         (["optimizer.kwargs.weight_decay=-1"], "optimizer.kwargs.weight_decay: weight_decay must be >= 0"),
-        (["optimizer.kwargs.betas=[0.9, 1.5]"], r"optimizer.kwargs.betas\[1\]: betas\[1\] must be in \[0, 1\)"),
+        (["optimizer.kwargs.betas=[0.9, 1.5]"], r"optimizer.kwargs.betas: betas\[1\] must be in \[0, 1\)"),
         (["optimizer.kwargs.mask=nonesuch"], "optimizer.kwargs.mask: 'nonesuch' is not a public purestep.core"),
         (["schedule.name=nonesuch"], "schedule.name: 'nonesuch' is not a purestep schedule"),
         (["schedule.name=cosine"], "schedule.warmup_steps: cosine_schedule takes no such argument"),
+        (["schedule.name=constant", "schedule.warmup_steps=null"], "schedule.final_lr: a constant lr takes no such"),
         (["schedule.name=wsd"], "schedule.decay_steps: wsd_schedule needs 'decay_steps'"),
         (["optimizer.lr.x=1"], "optimizer.lr.x: optimizer.lr is a value, not a table"),
         (["steps"], "expected key.sub=value"),
     ],
 )
 def test_bad_configs_raise_naming_the_field(files, overrides, field):
-    with pytest.raises(ConfigError, match=field):
+    with pytest.raises(ConfigError, match=field) as e:
         load_config(files / "run.toml", overrides)
+    assert e.value.field == field.split(":")[0].replace("\\", "") or field == "expected key.sub=value"
+    assert e.value.source.startswith(f"--set {overrides[0]}")  # an override's error names the override, not the file
 
 
 def test_errors_in_the_file_name_the_file_and_the_field(files):
@@ -225,7 +230,7 @@ def test_muon_config_resolves_names_and_dtypes():
         ["optimizer.name=muon_adamw", "optimizer.lr=0.02", "optimizer.kwargs.ns_dtype=float32",
          "optimizer.kwargs.labels=muon_labels"],
     )
-    opt = cfg.build_optimizer(inject=False)
+    opt = cfg.build_optimizer()
     model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 8))
     adapter = Optimizer(model.named_parameters(), opt)
     model(torch.arange(8)).sum().backward()
@@ -238,3 +243,88 @@ def test_the_config_round_trips_through_plain_data():
     cfg = apply_overrides(TrainConfig(), ["optimizer.kwargs.betas=[0.9, 0.95]", "seed=7"])
     assert msgspec.convert(msgspec.to_builtins(cfg), TrainConfig) == cfg
     assert msgspec.json.decode(msgspec.json.encode(cfg), type=TrainConfig) == cfg
+
+
+# --------------------------------------------------------------------------- #
+# Errors carry the field; config files are data.
+# --------------------------------------------------------------------------- #
+
+
+def test_an_error_in_the_file_carries_field_and_file_and_one_from_set_names_set(files):
+    (files / "bad.toml").write_text("steps = 10\n[optimizer.kwargs]\nweight_decay = -1.0\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(files / "bad.toml", ["steps=20"])
+    assert (e.value.field, e.value.source) == ("optimizer.kwargs.weight_decay", str(files / "bad.toml"))
+    with pytest.raises(ConfigError) as e:
+        load_config(files / "run.toml", ["steps=20", "optimizer.kwargs.eps=0"])
+    assert (e.value.field, e.value.source) == ("optimizer.kwargs.eps", "--set optimizer.kwargs.eps=0")
+    assert str(e.value).startswith("--set optimizer.kwargs.eps=0: optimizer.kwargs.eps: eps must be > 0")
+    # Overrides are applied together: an intermediate state may be invalid, the result is not.
+    assert load_config(files / "run.toml", ["batch_size=10", "grad_accum=5"]).grad_accum == 5
+    with pytest.raises(ConfigError) as e:
+        load_config(files / "run.toml", ["batch_size=10", "steps=5"])  # grad_accum=2 is the file's
+    assert e.value.field == "schedule" and e.value.source == "--set batch_size=10 --set steps=5"
+
+
+def alias_bomb(levels: int) -> str:
+    """YAML whose last alias expands to 10**levels nodes, under a field that is read whole."""
+    lines = ["optimizer:", "  kwargs:", "    a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"    a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize(
+    "text, detail",
+    [
+        (alias_bomb(6), "aliases expand to more than 100,000 nodes"),  # 10**6: slow, not endless, unguarded
+        ("optimizer: &o\n  kwargs: *o\n", "an alias refers to the node that contains it"),
+        ("a: &a [1, *a]\n", "an alias refers to the node that contains it"),
+        ("optimizer:\n  kwargs: [1, 2]\n", "optimizer.kwargs: Expected `object`, got `array`"),
+        ("schedule:\n  kwargs: 3\n", "schedule.kwargs: Expected `object`, got `int`"),
+        ("- 1\n- 2\n", "expected a table of fields, got list"),
+        ("steps: [1,\n", "not valid YAML"),
+    ],
+)
+def test_hostile_or_malformed_yaml_fails_fast_in_one_line(tmp_path, text, detail):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    assert len(text) < 500
+    start = time.perf_counter()
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert time.perf_counter() - start < 2.0
+    assert detail in str(e.value) and "\n" not in str(e.value) and e.value.source == str(path)
+
+
+def test_yaml_anchors_within_bounds_still_load(tmp_path):
+    (tmp_path / "ok.yaml").write_text("optimizer: {lr: &lr 0.001}\nschedule: {name: cosine, final_lr: *lr}\n")
+    assert load_config(tmp_path / "ok.yaml").schedule.final_lr == 0.001
+
+
+def test_every_other_lr_follows_the_schedule_shape():
+    cfg = apply_overrides(TrainConfig(), [
+        "steps=20", "optimizer.name=muon_adamw", "optimizer.lr=0.02", 'optimizer.kwargs={"adamw_lr": 0.004}',
+        "schedule.name=warmup_cosine", "schedule.warmup_steps=4", "schedule.final_lr=0.002",
+    ])
+    opt = cfg.build_optimizer()
+    params = {"h.0.w": torch.randn(4, 4, dtype=torch.float64), "head.weight": torch.randn(3, 4, dtype=torch.float64)}
+    state = opt.init(params)
+    expected = ps.warmup_cosine_schedule(0.02, 4, 20, final=0.002)
+    for step in range(12):
+        _, state = opt.update({k: torch.randn_like(v) for k, v in params.items()}, state, params)
+        hp = ps.get_hyperparams(state)
+        assert float(hp["lr"]) == pytest.approx(expected(step), rel=1e-12)
+        assert float(hp["adamw_lr"]) == pytest.approx(expected(step) * 0.2, rel=1e-12)
+
+
+def test_resume_changes_apply_or_refuse_naming_the_field():
+    saved = msgspec.to_builtins(apply_overrides(TrainConfig(), ["schedule.name=cosine", "schedule.warmup_steps=none"]))
+    new = apply_overrides(TrainConfig(), ["schedule.name=cosine", "schedule.warmup_steps=none", "steps=2000",
+                                          "optimizer.lr=1e-3", "log_every=5"])
+    said = resume_changes(saved, new, 500)
+    assert said[:2] == ["log_every changed from 10 to 5: applied", "optimizer.lr changed from 0.0003 to 0.001: applied"]
+    assert said[2].startswith("steps changed from 1000 to 2000: reshapes the lr schedule: the lr at step 500 is 0.000854")
+    for change, field in (("batch_size=64", "batch_size"), ("data.source=x.txt", "data.source"), ("seed=1", "seed")):
+        with pytest.raises(ConfigError) as e:
+            resume_changes(saved, apply_overrides(msgspec.convert(saved, TrainConfig), [change]), 500)
+        assert e.value.field == field

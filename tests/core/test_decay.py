@@ -90,6 +90,23 @@ def test_decay_mask_on_a_real_module():
     }
 
 
+@pytest.mark.parametrize("table", [GPT2, LLAMA, VISION], ids=["gpt2", "llama", "vision"])
+def test_decay_mask_and_muon_labels_classify_every_name_alike(table):
+    # One classifier: Muon takes exactly the decayed weight matrices except the output head.
+    params = {name: torch.zeros(shape) for name, (shape, _) in table.items()}
+    mask, labels = ps.decay_mask(params), ps.muon_labels(params)
+    heads = {"lm_head.weight", "output.weight", "fc.weight"}
+    assert {k for k, v in labels.items() if v == "muon"} == {k for k, v in mask.items() if v} - heads
+
+
+def test_a_vit_patch_embedding_is_a_matrix_and_its_cls_token_an_embedding():
+    params = {name: torch.zeros(shape) for name, (shape, _) in VISION.items()}
+    labels = ps.muon_labels(params)
+    assert labels["patch_embed.proj.weight"] == "muon" and ps.decay_mask(params)["patch_embed.proj.weight"]
+    assert labels["cls_token"] == "adamw" and not ps.decay_mask(params)["cls_token"]
+    assert labels["pos_embed"] == "adamw" and labels["blocks.0.attn.relative_position_bias_table"] == "adamw"
+
+
 def _adamw_groups_trajectory(params0, mask, steps, wd=0.1, lr=1e-2):
     torch_params = {k: nn.Parameter(v.clone()) for k, v in params0.items()}
     opt = torch.optim.AdamW(

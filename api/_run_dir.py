@@ -1,0 +1,99 @@
+"""A Trainer's run directory: opening it (fresh or resumed), saving and restoring checkpoints.
+
+Resume rules: a run directory that holds a run is only continued with `resume=True`
+(`--resume`); the newest checkpoint that loads is restored, bit-for-bit on CPU with a
+step-indexed data source; a setting changed since that checkpoint is applied and said
+in one line, or refused naming it when a resumed run cannot take it (`resume_changes`);
+a run that has done its steps says there is nothing to do.
+"""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+from typing import Any
+
+import torch.utils._pytree as pytree
+
+import purestep.core as ps
+
+from . import distributed as D
+from ._report import RunDirError, log
+from .checkpoint import Checkpoint, checkpoint_dir, read_manifest
+from .config import ConfigError, resume_changes
+
+
+def save(t: Any) -> Path | None:
+    """Write the checkpoint of `t.step` (collective); the path on the main rank."""
+    if t.checkpoints is None:
+        return None
+    state = {"tokens": int(t.tokens), "elapsed": t.elapsed, "recent": list(t.recent), "spikes": t.spikes,
+             "skip": t.skip, "skipped": t.skipped}
+    path = t.checkpoints.save(
+        t.step, params=t.params(), opt_state=t.opt_state, ema=t.ema, config=t.config,
+        data_state={"step": t.step, "seed": t.config.seed}, metadata={"trainer": state, "world_size": t.world.size},
+    )
+    t.saved_at = t.step
+    return path
+
+
+def restore(t: Any) -> Checkpoint | None:
+    """Load the newest checkpoint that loads into `t`'s model, state and loop, in place; None when none does."""
+    params = t.params()
+    c = t.checkpoints.restore(params_like=params, opt_state_like=t.opt_state, ema_like=t.ema)
+    if c is None:
+        return None
+    # Into the tensors the compiled, donated update already holds.
+    D.copy_into_(params, c.params)
+    D.copy_into_(t.opt_state, c.opt_state)
+    if t.ema is not None:
+        D.copy_into_(t.ema, c.ema)
+    loop = c.manifest.metadata.get("trainer", {})
+    t.step, t.saved_at, t.elapsed = c.step, c.step, loop.get("elapsed", 0.0)
+    t.tokens.fill_(loop.get("tokens", 0))
+    t.spikes, t.skip, t.skipped = loop.get("spikes", 0), loop.get("skip", []), loop.get("skipped", 0)
+    t.recent = collections.deque(loop.get("recent", []), maxlen=t.config.spike_window)
+    t.nonfinite_logged = int(t.nonfinite())
+    if t.world.size == c.manifest.metadata.get("world_size", 1):
+        c.restore_rng()
+    return c
+
+
+def _take_hyperparams(t: Any) -> None:
+    """A resumed run keeps its own constant hyperparameters, not the checkpoint's (schedules re-evaluate the rest)."""
+    held = ps.get_hyperparams(t.opt_state)
+    for key, value in t.hyperparams.items():
+        for dst, src in zip(pytree.tree_leaves(held[key]), pytree.tree_leaves(value)):
+            dst.copy_(src)
+
+
+def open_run(t: Any, resume: bool) -> bool:
+    """Prepare `t.out` for training, resuming if asked; False when there is nothing left to train."""
+    if t.out is None:
+        if t.config.checkpoint_every:
+            raise ConfigError("checkpoint_every", "checkpoints need a run directory: pass out=")
+        return True
+    latest = t.checkpoints.latest()
+    held = latest is not None or (t.out / "metrics.jsonl").exists()
+    if held and not resume:
+        raise RunDirError(f"{t.out}: already holds a run; pass --resume to continue it or a new --out")
+    if resume and held:
+        manifest = read_manifest(latest) if latest is not None else None
+        changes = resume_changes(manifest and manifest.config, t.config, manifest.step if manifest else 0)
+        if restore(t) is None:
+            raise RunDirError(f"{t.out}: no checkpoint that loads; nothing to resume")
+        _take_hyperparams(t)
+        if t.world.main:
+            log(f"resumed from {checkpoint_dir(t.out, t.step)} at step {t.step}")
+            for message in changes:
+                log(f"resume: {message}")
+            if t.finished():
+                log(f"nothing to do: the run finished at step {t.step} (steps={t.config.steps}); "
+                    "pass a larger --steps to train on")
+        if t.finished():
+            return False
+    D.barrier(t.world)
+    if t.world.main:
+        t.out.mkdir(parents=True, exist_ok=True)
+        t.metrics.keep_until(t.step)  # drop what was logged after the checkpoint resumed from
+    return True

@@ -532,4 +532,11 @@ def all_finite(xs: list[Tensor]) -> Tensor:
     """A 0-d bool: every element of every leaf is finite."""
     if not xs:
         return torch.ones((), dtype=torch.bool)
-    return torch.stack([torch.isfinite(x).all() for x in xs]).all()
+    # A count of non-finite elements rather than a product of flags: under FSDP2 the
+    # per-leaf counts of sharded and replicated leaves are Partial(sum) and Replicate
+    # DTensors, which add; Partial(product) flags and Replicate ones do not combine.
+    counts = [(~torch.isfinite(x)).sum() for x in xs]
+    bad = counts[0]
+    for c in counts[1:]:
+        bad = bad + c
+    return bad == 0

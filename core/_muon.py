@@ -230,7 +230,9 @@ def scale_by_muon(
     check_muon_args(ns_steps, ns_coefficients, ns_dtype, adjust_lr, eps)
     coefficients, safety = _coefficient_schedule(ns_coefficients, ns_steps)
     if emulate_bf16 is not None and not isinstance(emulate_bf16, bool):
-        raise ValueError(f"emulate_bf16 must be True, False or None (only where bf16 matmuls are slow), got {emulate_bf16!r}")
+        raise ValueError(
+            f"emulate_bf16 must be True, False or None (only where bf16 matmuls are slow), got {emulate_bf16!r}"
+        )
 
     def init(params: Params) -> ScaleByMuonState:
         _flat.need_whole_leaves(params)  # per-matrix math: each matrix alone under flat buffers

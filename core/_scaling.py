@@ -175,7 +175,8 @@ def scale_by_adam(
         leaves = pytree.tree_leaves(params)
         zeros = tr.tree_zeros_like(params)
         if amsgrad:
-            return ScaleByAmsgradState(zero_count(leaf_device(leaves)), zeros, tr.tree_zeros_like(params), tr.tree_zeros_like(params))
+            nu, nu_max = tr.tree_zeros_like(params), tr.tree_zeros_like(params)
+            return ScaleByAmsgradState(zero_count(leaf_device(leaves)), zeros, nu, nu_max)
         return ScaleByAdamState(zero_count(leaf_device(leaves)), zeros, tr.tree_zeros_like(params))
 
     def update(grads, state, params=None, **extra):

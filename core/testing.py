@@ -177,15 +177,18 @@ def _check_replay(t: ps.Transform, ex: Example, opts: _Options, ups: list, state
     recorded input state. A transform whose output depends on anything but its inputs
     (a counter in a closure, a cache) gives different bits the second time."""
     hint = "state kept outside the returned state (a counter or cache in a closure?)"
+    what = f"the same instance, replayed from init on the same inputs ({hint})"
     ups2, states2, _ = _trajectory(t, ex, opts)
-    _compare_runs("replay", f"the same instance, replayed from init on the same inputs ({hint})", ups, ups2, "updates")
-    _compare_runs("replay", f"the same instance, replayed from init on the same inputs ({hint})", states, states2, "states")
+    _compare_runs("replay", what, ups, ups2, "updates")
+    _compare_runs("replay", what, states, states2, "states")
     for k in range(1, len(ups)):
-        u, s = _call(f"update {_where(k, ex.grad_kinds[k][0])}", t.update, ex.grads[k], states[k - 1], params[k], **ex.extras[k])
+        where = _where(k, ex.grad_kinds[k][0])
+        u, s = _call(f"update {where}", t.update, ex.grads[k], states[k - 1], params[k], **ex.extras[k])
         for label, a, b in (("updates", ups[k], u), ("state", states[k], s)):
-            if where := _first_difference(a, b):
+            if leaf := _first_difference(a, b):
                 raise InvariantError(
-                    "replay", f"the same instance, given step {k}'s inputs again, returned different {label} at leaf '{where}' ({hint})"
+                    "replay",
+                    f"the same instance, given step {k}'s inputs again, returned different {label} at leaf '{leaf}' ({hint})",
                 )
 
 

@@ -54,6 +54,12 @@ from ._optimizers import sophia as sophia
 from ._muon import ScaleByMuonState as ScaleByMuonState
 from ._muon import muon_labels as muon_labels
 from ._muon import scale_by_muon as scale_by_muon
+from ._precision import CompensatedUpdatesState as CompensatedUpdatesState
+from ._precision import QuantizedTensor as QuantizedTensor
+from ._precision import compensated_updates as compensated_updates
+from ._precision import dequantize_blockwise as dequantize_blockwise
+from ._precision import quantize_blockwise as quantize_blockwise
+from ._precision import stochastic_round as stochastic_round
 from ._schedule_free import ScheduleFreeState as ScheduleFreeState
 from ._schedule_free import schedule_free as schedule_free
 from ._schedule_free import schedule_free_eval_params as schedule_free_eval_params
@@ -203,6 +209,13 @@ __all__ = [
     "ScaleByMuonState",
     "ScheduleFreeState",
     "ScaleBySophiaState",
+    # low precision
+    "compensated_updates",
+    "stochastic_round",
+    "quantize_blockwise",
+    "dequantize_blockwise",
+    "QuantizedTensor",
+    "CompensatedUpdatesState",
     # the step function
     "make_step",
     "make_update",

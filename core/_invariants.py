@@ -124,6 +124,10 @@ def _make(factory: Callable[..., ps.Transform], ex: Example) -> ps.Transform:
 # --------------------------------------------------------------------------- #
 
 
+def _widened(x: Tensor) -> Tensor:
+    return x.float() if x.element_size() == 1 else x  # fp8 state: torch has no isfinite for it
+
+
 def _is_float(x: Any) -> bool:
     return isinstance(x, Tensor) and (torch.is_floating_point(x) or torch.is_complex(x))
 
@@ -173,7 +177,7 @@ def _trajectory(
         if "finite_outputs" in checks:
             for label, tree in (("updates", u), ("state", new_state)):
                 for path, leaf in ps.tree_flatten_with_path(tree)[0]:
-                    if _is_float(leaf) and not bool(torch.isfinite(leaf).all()):
+                    if _is_float(leaf) and not bool(torch.isfinite(_widened(leaf)).all()):
                         raise InvariantError(
                             "finite_outputs", f"{label} leaf '{path}' is not finite {_where(k, kind)}: {_brief(leaf)}"
                         )

@@ -13,6 +13,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from . import _flat
+from . import _precision as lp
 from . import _tree as tr
 from ._base import Params, PyTree, ScalarOrSchedule, Transform, check_hyperparam, check_nonnegative, check_positive, leaf_device, resolve, zero_count
 from ._decay import param_kind
@@ -197,8 +198,11 @@ def scale_by_muon(
     adjust_lr: str = "original",
     eps: float = 1e-7,
     emulate_bf16: bool | None = None,
+    mu_dtype: torch.dtype | None = None,
+    rounding: str = "stochastic",
 ) -> Transform:
-    """Muon's orthogonalized momentum, `s(A, B) · NS(m̃)`; see `muon` for the rule.
+    """Muon's orthogonalized momentum, `s(A, B) · NS(m̃)`; see `muon` for the rule, `adam`
+    for `mu_dtype` and `rounding`.
 
     Every leaf must have >= 2 dims; a leaf of shape (A, ...) is orthogonalized as an
     A × prod(rest) matrix, and matrices of one shape (or its transpose) are stacked into
@@ -228,6 +232,8 @@ def scale_by_muon(
     check_hyperparam("momentum", momentum)
     check_nonnegative("momentum", momentum)
     check_muon_args(ns_steps, ns_coefficients, ns_dtype, adjust_lr, eps)
+    lp.check_state_dtype("mu_dtype", mu_dtype)
+    lp.check_rounding(rounding)
     coefficients, safety = _coefficient_schedule(ns_coefficients, ns_steps)
     if emulate_bf16 is not None and not isinstance(emulate_bf16, bool):
         raise ValueError(
@@ -238,20 +244,21 @@ def scale_by_muon(
         _flat.need_whole_leaves(params)  # per-matrix math: each matrix alone under flat buffers
         _check_matrices(params, "params")
         leaves = pytree.tree_leaves(params)
-        return ScaleByMuonState(zero_count(leaf_device(leaves)), tr.tree_zeros_like(params))
+        return ScaleByMuonState(zero_count(leaf_device(leaves)), lp.init_moments(params, mu_dtype))
 
     def update(grads, state, params=None, **extra):
         _check_matrices(grads, "grads")
-        gs = tr.check_match(grads, state.mu, "grads", "params")
-        mu, spec = pytree.tree_flatten(state.mu)
+        gs, wide, mu = lp.load_moments(grads, state.mu, params)
+        spec = pytree.tree_structure(grads)
         beta = resolve(momentum, state.count)
         # m ← β·m + (1-β)·g  (torch.optim.Muon's lerp form)
-        mu = tr.cast_like(tr.ema(mu, gs, beta), gs)
+        mu = tr.cast_like(tr.ema(mu, wide, beta), wide)
         # m̃ = (1-β)·g + β·m with nesterov, else m
-        src = tr.cast_like(tr.ema(gs, mu, 1.0 - beta), gs) if nesterov else mu
+        src = tr.cast_like(tr.ema(wide, mu, 1.0 - beta), wide) if nesterov else mu
         ortho = orthogonalize_leaves(src, coefficients, safety, eps, ns_dtype, emulate_bf16)
-        out = [o * _lr_ratio(o.shape, adjust_lr) for o in ortho]
-        return pytree.tree_unflatten(out, spec), ScaleByMuonState(state.count + 1, pytree.tree_unflatten(mu, spec))
+        out = tr.cast_like([o * _lr_ratio(o.shape, adjust_lr) for o in ortho], gs)
+        stored = lp.store_moments(mu, state.mu, lp.moment_keys(state.count, len(mu), rounding))
+        return pytree.tree_unflatten(out, spec), ScaleByMuonState(state.count + 1, stored)
 
     return Transform(init, update)
 

@@ -42,6 +42,8 @@ def sgd(
     weight_decay: ScalarOrSchedule = 0.0,
     *,
     maximize: bool = False,
+    accumulator_dtype: torch.dtype | None = None,
+    rounding: str = "stochastic",
 ) -> Transform:
     """Stochastic gradient descent with momentum, = `torch.optim.SGD`.
 
@@ -51,6 +53,8 @@ def sgd(
     Args:
       maximize: ascend the objective: g ← -g before anything else, as torch.optim does
         (the chain then starts with `scale(-1.0)`).
+      accumulator_dtype, rounding: the dtype b is stored in (optax's name) and how it is
+        rounded there; see `adam`'s `mu_dtype`.
 
     Example:
         >>> import torch, purestep.core as ps
@@ -72,7 +76,11 @@ def sgd(
     check_nonnegative("dampening", dampening)
     if nesterov and (_is_zero(momentum) or (is_static(dampening) and dampening != 0)):
         raise ValueError("nesterov=True needs momentum > 0 and dampening=0 (as torch.optim.SGD)")
-    momentum_step = identity() if _is_zero(momentum) else trace(momentum, nesterov, dampening=dampening)
+    momentum_step = (
+        identity()
+        if _is_zero(momentum)
+        else trace(momentum, nesterov, dampening=dampening, accumulator_dtype=accumulator_dtype, rounding=rounding)
+    )
     return _signed(maximize, _decay(weight_decay), momentum_step, scale_by_lr(lr))
 
 
@@ -84,6 +92,9 @@ def adam(
     *,
     amsgrad: bool = False,
     maximize: bool = False,
+    mu_dtype: torch.dtype | None = None,
+    nu_dtype: torch.dtype | None = None,
+    rounding: str = "stochastic",
 ) -> Transform:
     """Adam with L2 weight decay in the gradient, = `torch.optim.Adam`.
 
@@ -95,6 +106,21 @@ def adam(
       amsgrad: use v̂ ← max over steps of v in the denominator (Reddi et al. 2018), as
         torch.optim does: the max of the raw v, bias-corrected after (state field `nu_max`).
       maximize: ascend the objective: g ← -g before the L2 term, as torch.optim does.
+      mu_dtype, nu_dtype: the dtypes m and v are stored in (optax's names). None keeps
+        the param's dtype (float32 for float16 params, whose range cannot hold v).
+        torch.bfloat16 halves the state; torch.float8_e4m3fn (or float8_e5m2) stores it
+        8-bit, block-quantized: fp8 codes times a float32 absmax scale per 256 elements,
+        v as √v (so its range squares), leaves under 4096 elements in float32. The math
+        runs in float32 (or the params' dtype where wider) and the update uses the
+        unrounded m and v, as in optax; only the stored copy is narrow.
+      rounding: how m and v are rounded into a narrower dtype. "stochastic" rounds up or
+        down at random, unbiased, so EMA increments below half an ulp are not lost; its
+        bits are a hash of the step count, leaf and element, so a resume is bitwise
+        identical. "nearest" is optax's cast.
+
+    Warning:
+        With 16-bit params torch.optim runs the math in the params' dtype; here it runs
+        in float32 (with float16, eps = 1e-8 would round to 0 and a zero grad give NaN).
 
     Example:
         >>> import torch, purestep.core as ps
@@ -111,7 +137,8 @@ def adam(
     b1, b2 = check_betas(betas)
     check_hyperparam("weight_decay", weight_decay)
     check_nonnegative("weight_decay", weight_decay)
-    return _signed(maximize, _decay(weight_decay), scale_by_adam(b1, b2, eps, amsgrad=amsgrad), scale_by_lr(lr))
+    adam_step = scale_by_adam(b1, b2, eps, amsgrad=amsgrad, mu_dtype=mu_dtype, nu_dtype=nu_dtype, rounding=rounding)
+    return _signed(maximize, _decay(weight_decay), adam_step, scale_by_lr(lr))
 
 
 def adamw(
@@ -123,6 +150,9 @@ def adamw(
     *,
     amsgrad: bool = False,
     maximize: bool = False,
+    mu_dtype: torch.dtype | None = None,
+    nu_dtype: torch.dtype | None = None,
+    rounding: str = "stochastic",
 ) -> Transform:
     """Adam with decoupled weight decay, = `torch.optim.AdamW`.
 
@@ -134,6 +164,7 @@ def adamw(
         e.g. `ps.decay_mask`. None decays every leaf, as torch.optim.AdamW does.
       amsgrad: the running max of v in the denominator, as in `adam`.
       maximize: ascend the objective (g ← -g); the decay still shrinks p, as torch.optim does.
+      mu_dtype, nu_dtype, rounding: how m and v are stored; see `adam`.
 
     Example:
         >>> import torch, purestep.core as ps
@@ -150,7 +181,8 @@ def adamw(
     b1, b2 = check_betas(betas)
     check_hyperparam("weight_decay", weight_decay)
     check_nonnegative("weight_decay", weight_decay)
-    return _signed(maximize, scale_by_adam(b1, b2, eps, amsgrad=amsgrad), _decay(weight_decay, mask), scale_by_lr(lr))
+    adam_step = scale_by_adam(b1, b2, eps, amsgrad=amsgrad, mu_dtype=mu_dtype, nu_dtype=nu_dtype, rounding=rounding)
+    return _signed(maximize, adam_step, _decay(weight_decay, mask), scale_by_lr(lr))
 
 
 def lion(
@@ -158,11 +190,17 @@ def lion(
     betas: tuple[ScalarOrSchedule, ScalarOrSchedule] = (0.9, 0.99),
     weight_decay: ScalarOrSchedule = 0.0,
     mask: Any = None,
+    *,
+    mu_dtype: torch.dtype | None = None,
+    rounding: str = "stochastic",
 ) -> Transform:
     """Lion, = `lion_pytorch.Lion`.
 
     u = sign(β₁·m + (1-β₁)·g);  m ← β₂·m + (1-β₂)·g;  p ← p - η·(u + λ·p),
     with η = `lr`, (β₁, β₂) = `betas`, λ = `weight_decay` (decoupled, where `mask`).
+
+    Args:
+      mu_dtype, rounding: how m is stored; see `adam`.
 
     Example:
         >>> import torch, purestep.core as ps
@@ -179,7 +217,7 @@ def lion(
     b1, b2 = check_betas(betas)
     check_hyperparam("weight_decay", weight_decay)
     check_nonnegative("weight_decay", weight_decay)
-    return chain(scale_by_lion(b1, b2), _decay(weight_decay, mask), scale_by_lr(lr))
+    return chain(scale_by_lion(b1, b2, mu_dtype=mu_dtype, rounding=rounding), _decay(weight_decay, mask), scale_by_lr(lr))
 
 
 def lamb(
@@ -283,6 +321,8 @@ def muon(
     *,
     eps: float = 1e-7,
     emulate_bf16: bool | None = None,
+    mu_dtype: torch.dtype | None = None,
+    rounding: str = "stochastic",
 ) -> Transform:
     """Muon, = `torch.optim.Muon`: momentum orthogonalized by Newton-Schulz, for matrices.
 
@@ -300,6 +340,7 @@ def muon(
       emulate_bf16: bf16 iterations as float32 matmuls rounded to bf16 (True), real bf16
         matmuls (False), or emulated only on CPUs without bf16 matmul units (None); the
         emulation is not bit-identical, see `scale_by_muon`.
+      mu_dtype, rounding: how m is stored; see `adam`.
 
     Warning:
         Defaults differ from `torch.optim.Muon` (lr=1e-3, weight_decay=0.1): lr=0.02 is Keller
@@ -325,6 +366,7 @@ def muon(
     block = scale_by_muon(
         momentum, nesterov, ns_steps, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, adjust_lr=adjust_lr, eps=eps,
         emulate_bf16=emulate_bf16,
+        mu_dtype=mu_dtype, rounding=rounding,
     )
     return chain(block, _decay(weight_decay), scale_by_lr(lr))
 

@@ -12,6 +12,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from . import _flat
+from . import _precision as lp
 from . import _tree as tr
 from ._base import (
     EmptyState,
@@ -99,34 +100,51 @@ class TraceState(NamedTuple):
     trace: Params
 
 
-def trace(decay: ScalarOrSchedule, nesterov: bool = False, *, dampening: float | Tensor = 0.0) -> Transform:
+def trace(
+    decay: ScalarOrSchedule,
+    nesterov: bool = False,
+    *,
+    dampening: float | Tensor = 0.0,
+    accumulator_dtype: torch.dtype | None = None,
+    rounding: str = "stochastic",
+) -> Transform:
     """Momentum: `t ← decay·t + (1 - dampening)·g`, update `t` (or `g + decay·t` with nesterov).
 
     As in `torch.optim.SGD`, the first step sets `t ← g` without dampening.
     With `dampening=0` this is `optax.trace`.
+
+    Args:
+      accumulator_dtype: the dtype `t` is stored in (optax's name); None keeps the
+        param's (float32 for float16 params); an fp8 dtype stores it 8-bit
+        block-quantized. The math runs in float32 (or the grads' dtype where wider).
+      rounding: how `t` is rounded into a narrower dtype: "stochastic" (unbiased, keyed
+        by the step count) or "nearest".
     """
     check_hyperparam("decay", decay)
     check_nonnegative("decay", decay)
     check_nonnegative("dampening", dampening)
+    lp.check_state_dtype("accumulator_dtype", accumulator_dtype)
+    lp.check_rounding(rounding)
 
     def init(params: Params) -> TraceState:
         leaves = pytree.tree_leaves(params)
-        return TraceState(zero_count(leaf_device(leaves)), tr.tree_zeros_like(params))
+        return TraceState(zero_count(leaf_device(leaves)), lp.init_moments(params, accumulator_dtype))
 
     def update(grads, state, params=None, **extra):
-        gs = tr.check_match(grads, state.trace, "grads", "params")
-        ts, spec = pytree.tree_flatten(state.trace)
+        gs, wide, ts = lp.load_moments(grads, state.trace, params)
+        spec = pytree.tree_structure(grads)
         m = resolve(decay, state.count)
         if isinstance(dampening, Tensor) or dampening != 0:
             # torch.optim.SGD: the first buffer is the grad itself, undamped.
             first = (state.count == 0).to(torch.float64)
             g_coef = first + (1.0 - first) * (1.0 - dampening)
-            new = tr.lincomb(m, ts, g_coef, gs)
+            new = tr.lincomb(m, ts, g_coef, wide)
         else:
-            new = tr.axpy(m, ts, gs)
-        new = tr.cast_like(new, ts)
-        out = tr.cast_like(tr.axpy(m, new, gs), gs) if nesterov else new
-        return pytree.tree_unflatten(out, spec), TraceState(state.count + 1, pytree.tree_unflatten(new, spec))
+            new = tr.axpy(m, ts, wide)
+        new = tr.cast_like(new, wide)
+        out = tr.cast_like(tr.axpy(m, new, wide) if nesterov else new, gs)
+        stored = lp.store_moments(new, state.trace, lp.moment_keys(state.count, len(new), rounding))
+        return pytree.tree_unflatten(out, spec), TraceState(state.count + 1, stored)
 
     return Transform(init, update)
 
@@ -155,8 +173,12 @@ def scale_by_adam(
     *,
     eps_root: float = 0.0,
     amsgrad: bool = False,
+    mu_dtype: torch.dtype | None = None,
+    nu_dtype: torch.dtype | None = None,
+    rounding: str = "stochastic",
 ) -> Transform:
-    """Adam's preconditioner, `m̂ / (√(v̂ + eps_root) + eps)`; see `adam` for the rule.
+    """Adam's preconditioner, `m̂ / (√(v̂ + eps_root) + eps)`; see `adam` for the rule and
+    for `mu_dtype`, `nu_dtype` and `rounding` (ν_max is stored like ν).
 
     With `amsgrad`, v̂ is built from ν_max ← max(ν_max, ν), the running max of the raw
     second moment, bias-corrected afterwards, as `torch.optim.Adam(amsgrad=True)` does
@@ -170,28 +192,30 @@ def scale_by_adam(
     check_hyperparam("eps", eps)
     check_positive("eps", eps)
     check_nonnegative("eps_root", eps_root)
+    lp.check_state_dtype("mu_dtype", mu_dtype)
+    lp.check_state_dtype("nu_dtype", nu_dtype)
+    lp.check_rounding(rounding)
 
     def init(params: Params) -> ScaleByAdamState | ScaleByAmsgradState:
         leaves = pytree.tree_leaves(params)
-        zeros = tr.tree_zeros_like(params)
+        mu, nu = lp.init_moments(params, mu_dtype), lp.init_moments(params, nu_dtype)
         if amsgrad:
-            nu, nu_max = tr.tree_zeros_like(params), tr.tree_zeros_like(params)
-            return ScaleByAmsgradState(zero_count(leaf_device(leaves)), zeros, nu, nu_max)
-        return ScaleByAdamState(zero_count(leaf_device(leaves)), zeros, tr.tree_zeros_like(params))
+            return ScaleByAmsgradState(zero_count(leaf_device(leaves)), mu, nu, lp.init_moments(params, nu_dtype))
+        return ScaleByAdamState(zero_count(leaf_device(leaves)), mu, nu)
 
     def update(grads, state, params=None, **extra):
-        gs = tr.check_match(grads, state.mu, "grads", "params")
-        mu, spec = pytree.tree_flatten(state.mu)
-        nu = pytree.tree_leaves(state.nu)
+        gs, wide, mu = lp.load_moments(grads, state.mu, params)
+        nu = lp.load_moments(grads, state.nu, second=True)[2]
+        spec = pytree.tree_structure(grads)
         beta1, beta2 = resolve(b1, state.count), resolve(b2, state.count)
-        mu = tr.cast_like(tr.ema(mu, gs, beta1), gs)
-        nu = tr.cast_like(tr.ema_sq(nu, gs, beta2), gs)
+        mu = tr.cast_like(tr.ema(mu, wide, beta1), wide)
+        nu = tr.cast_like(tr.ema_sq(nu, wide, beta2), wide)
         # Bias corrections: 0-d float64, computed once per step, not per element.
         t = (state.count + 1).to(torch.float64)
         bc1 = 1.0 - beta1**t
         bc2 = 1.0 - beta2**t
         if amsgrad:
-            nu_max = [torch.maximum(a, b) for a, b in zip(pytree.tree_leaves(state.nu_max), nu)]
+            nu_max = [torch.maximum(a, b) for a, b in zip(lp.load_moments(grads, state.nu_max, second=True)[2], nu)]
         # u = (m / bc1) / (√(v / bc2 + eps_root) + eps)
         # (intermediates are updated in place: in eager mode allocation costs more than math)
         denom = tr.mul(nu_max if amsgrad else nu, 1.0 / bc2)
@@ -199,9 +223,12 @@ def scale_by_adam(
             denom = tr.add_scalar_(denom, eps_root)
         denom = tr.add_scalar_(tr.sqrt_(denom), eps)
         out = tr.cast_like(tr.mul_(tr.div_into_(mu, denom), 1.0 / bc1), gs)
-        new_state = ScaleByAdamState(state.count + 1, pytree.tree_unflatten(mu, spec), pytree.tree_unflatten(nu, spec))
+        keys = lp.moment_keys(state.count, len(mu), rounding)
+        new_state = ScaleByAdamState(
+            state.count + 1, lp.store_moments(mu, state.mu, keys), lp.store_moments(nu, state.nu, keys, second=True)
+        )
         if amsgrad:
-            new_state = ScaleByAmsgradState(*new_state, pytree.tree_unflatten(nu_max, spec))
+            new_state = ScaleByAmsgradState(*new_state, lp.store_moments(nu_max, state.nu_max, keys, second=True))
         return pytree.tree_unflatten(out, spec), new_state
 
     return Transform(init, update)
@@ -214,21 +241,31 @@ class ScaleByLionState(NamedTuple):
     mu: Params
 
 
-def scale_by_lion(b1: ScalarOrSchedule = 0.9, b2: ScalarOrSchedule = 0.99) -> Transform:
-    """Lion's sign update, `sign(β₁·m + (1-β₁)·g)`; see `lion` for the rule."""
+def scale_by_lion(
+    b1: ScalarOrSchedule = 0.9,
+    b2: ScalarOrSchedule = 0.99,
+    *,
+    mu_dtype: torch.dtype | None = None,
+    rounding: str = "stochastic",
+) -> Transform:
+    """Lion's sign update, `sign(β₁·m + (1-β₁)·g)`; see `lion` for the rule, `adam` for
+    `mu_dtype` and `rounding`."""
     check_betas((b1, b2), "betas")
+    lp.check_state_dtype("mu_dtype", mu_dtype)
+    lp.check_rounding(rounding)
 
     def init(params: Params) -> ScaleByLionState:
         leaves = pytree.tree_leaves(params)
-        return ScaleByLionState(zero_count(leaf_device(leaves)), tr.tree_zeros_like(params))
+        return ScaleByLionState(zero_count(leaf_device(leaves)), lp.init_moments(params, mu_dtype))
 
     def update(grads, state, params=None, **extra):
-        gs = tr.check_match(grads, state.mu, "grads", "params")
-        mu, spec = pytree.tree_flatten(state.mu)
+        gs, wide, mu = lp.load_moments(grads, state.mu, params)
+        spec = pytree.tree_structure(grads)
         beta1, beta2 = resolve(b1, state.count), resolve(b2, state.count)
-        out = tr.cast_like(tr.sign(tr.ema(mu, gs, beta1)), gs)
-        mu = tr.cast_like(tr.ema(mu, gs, beta2), gs)
-        return pytree.tree_unflatten(out, spec), ScaleByLionState(state.count + 1, pytree.tree_unflatten(mu, spec))
+        out = tr.cast_like(tr.sign(tr.ema(mu, wide, beta1)), gs)
+        mu = tr.cast_like(tr.ema(mu, wide, beta2), wide)
+        stored = lp.store_moments(mu, state.mu, lp.moment_keys(state.count, len(mu), rounding))
+        return pytree.tree_unflatten(out, spec), ScaleByLionState(state.count + 1, stored)
 
     return Transform(init, update)
 

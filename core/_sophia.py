@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from . import _precision as lp
 from . import _tree as tr
 from ._base import (
     Params,
@@ -68,12 +69,13 @@ def scale_by_sophia(
 
     def init(params: Params) -> ScaleBySophiaState:
         leaves = pytree.tree_leaves(params)
-        return ScaleBySophiaState(zero_count(leaf_device(leaves)), tr.tree_zeros_like(params), tr.tree_zeros_like(params))
+        # float16 params get float32 state, and the math below runs in float32 at least.
+        return ScaleBySophiaState(zero_count(leaf_device(leaves)), lp.init_moments(params, None), lp.init_moments(params, None))
 
     def update(grads, state, params=None, *, hessian: PyTree = None, **extra):
-        gs = tr.check_match(grads, state.mu, "grads", "params")
-        mu, spec = pytree.tree_flatten(state.mu)
-        hs = pytree.tree_leaves(state.hessian)
+        gs, wide, mu = lp.load_moments(grads, state.mu, params)
+        hs = lp.load_moments(grads, state.hessian)[2]
+        spec = pytree.tree_structure(grads)
         beta1, beta2 = resolve(b1, state.count), resolve(b2, state.count)
         if hessian is not None:
             est = tr.check_match(hessian, state.hessian, "hessian", "params", dtype=False)
@@ -84,12 +86,12 @@ def scale_by_sophia(
                 due = torch.remainder(state.count, update_every) == 0
                 refreshed = tr.where(due, refreshed, hs)
             hs = refreshed
-        mu = tr.cast_like(tr.ema(mu, gs, beta1), gs)
+        mu = tr.cast_like(tr.ema(mu, wide, beta1), wide)
         denom = tr.add_scalar(tr.mul(hs, resolve(rho, state.count)), eps)
         # u = sign(m) · min(|m| / (ρ·h + ε), 1)
         out = [torch.sign(m) * torch.clamp(m.abs() / d, max=1.0) for m, d in zip(mu, denom)]
         out = tr.cast_like(out, gs)
-        new = ScaleBySophiaState(state.count + 1, pytree.tree_unflatten(mu, spec), pytree.tree_unflatten(hs, spec))
+        new = ScaleBySophiaState(state.count + 1, lp.store_moments(mu, state.mu, None), lp.store_moments(hs, state.hessian, None))
         return pytree.tree_unflatten(out, spec), new
 
     return Transform(init, update)

@@ -74,6 +74,7 @@ TRANSFORMS: dict[str, Case] = {
         Case("schedule_free", lambda: ps.schedule_free(ps.chain(ps.scale_by_adam(0.0), ps.scale_by_lr(1e-2)), 1e-2)),
         Case("sophia", lambda: ps.sophia(1e-2, weight_decay=0.1), decoupled_decay=True, sign_based=True,
              update_bound=1e-2, extra_trees=("hessian",)),
+        Case("compensated_updates", lambda: ps.chain(ps.adamw(1e-2, weight_decay=0.1), ps.compensated_updates())),
         Case("scale_by_sophia", lambda: ps.scale_by_sophia(update_every=2), needs_params=False, extra_trees=("hessian",)),
     ]
 }
@@ -121,4 +122,5 @@ NOT_TRANSFORMS = {
     "muon_labels", "schedule_free_eval_params", "gnb_hessian",
     "ScaleByMuonState", "ScheduleFreeState", "ScaleBySophiaState",
     "make_step", "make_update", "functional_model", "functional_ensemble",
+    "stochastic_round", "quantize_blockwise", "dequantize_blockwise", "QuantizedTensor", "CompensatedUpdatesState",
 }

@@ -1,0 +1,427 @@
+"""Low-precision state and parameters: stochastic rounding, 8-bit block-quantized moments,
+and compensated updates for bf16/fp16 params.
+
+Everything here is elementwise, or blockwise over a leaf's flattened elements, so it runs
+unchanged on one big flat buffer. The randomness of stochastic rounding is a
+counter-based hash of (key, element index) computed with integer tensor ops: the same
+bits on CPU and CUDA, eager, compiled or under vmap, and never torch's global RNG, so a
+run and its resume from a checkpoint are bitwise identical.
+
+The building blocks with a moment (`scale_by_adam`, `trace`, `scale_by_lion`,
+`scale_by_muon`) store it through `init_moments` / `load_moments` / `store_moments`:
+the math runs in float32 (or the grads' dtype where wider) and only the stored copy
+is narrow.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from . import _tree as tr
+from ._base import Params, Transform, leaf_device, zero_count
+
+# --------------------------------------------------------------------------- #
+# Counter-based random bits.
+# --------------------------------------------------------------------------- #
+
+_M32 = 0xFFFFFFFF
+# murmur3's 32-bit finalizer constants, taken as negative int64 where >= 2^31: for
+# x < 2^32 the product x·c then stays inside int64 (no overflow on any backend) and its
+# low 32 bits are those of the unsigned 32-bit product.
+_C1 = 0x85EBCA6B - (1 << 32)
+_C2 = 0xC2B2AE35 - (1 << 32)
+_C1_INT32, _C2_INT32 = _C1, _C2  # the same bits as int32 (both are below 2^31 in magnitude)
+
+
+def _mix32(x: Any) -> Any:
+    """murmur3's finalizer on uint32 values held in int64 tensors (or Python ints)."""
+    x = x ^ (x >> 16)
+    x = (x * _C1) & _M32
+    x = x ^ (x >> 13)
+    x = (x * _C2) & _M32
+    return x ^ (x >> 16)
+
+
+def leaf_key(count: Tensor, leaf: int, salt: int = 0) -> Tensor:
+    """A 0-d int64 key for leaf number `leaf` at update `count` (`salt` tells uses apart)."""
+    return _mix32((count & _M32) ^ _mix32((salt << 24) + leaf))
+
+
+def _int32(x: Tensor) -> Tensor:
+    """uint32 values held in int64, as the int32s with the same bits."""
+    return (((x & _M32) ^ 0x80000000) - 0x80000000).to(torch.int32)
+
+
+def _random_bits(x: Tensor, key: Tensor | int) -> Tensor:
+    """32 random bits per element of `x` (int32, x's shape), a hash of (key, element index).
+
+    The per-element work is int32, whose products wrap on every backend (CPU vector
+    units, CUDA, Triton) and which CPUs without AVX-512 multiply natively, unlike int64;
+    `>>` on int32 is arithmetic, so each shift is masked to a logical one. Leaves of more
+    than 2^32 elements reuse the bits every 2^32 elements, which leaves each rounding
+    unbiased.
+    """
+    n = x.numel()
+    index = torch.arange(n, device=x.device, dtype=torch.int32 if n < 2**31 else torch.int64)
+    index = index.to(torch.int32).view(x.shape)
+    seed = _int32(_mix32(torch.as_tensor(key, dtype=torch.int64, device=x.device) & _M32))
+    h = (index ^ seed) * _C1_INT32
+    h = h ^ ((h >> 15) & 0x1FFFF)
+    h = h * _C2_INT32
+    return h ^ ((h >> 16) & 0xFFFF)
+
+
+# --------------------------------------------------------------------------- #
+# Stochastic rounding.
+# --------------------------------------------------------------------------- #
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_NARROW = (torch.bfloat16, torch.float16) + _FP8
+
+
+def _pow2(k: Tensor) -> Tensor:
+    """2^k as float32, exactly, for int32 k in [-126, 127] (built from the exponent bits)."""
+    return ((k + 127) << 23).view(torch.float32)
+
+
+def _round_bf16(x: Tensor, bits: Tensor | None) -> Tensor:
+    # bf16 is float32's upper half: adding 16 uniform bits below the cut and truncating
+    # rounds up with probability exactly (dropped bits) / 2^16; adding 0x7FFF plus the
+    # lowest kept bit rounds to nearest, ties to even.
+    b = x.view(torch.int32)
+    noise = ((b >> 16) & 1) + 0x7FFF if bits is None else bits
+    rounded = ((b + noise) & -65536).view(torch.float32)
+    return torch.where(torch.isfinite(x), rounded, x)
+
+
+def _round_grid(x: Tensor, dtype: torch.dtype, bits: Tensor | None) -> Tensor:
+    # Any narrower float format: the representable neighbours of x are multiples of the
+    # format's spacing in x's binade; round up with probability (x - below) / spacing,
+    # or to nearest (ties to even) without bits.
+    info = torch.finfo(dtype)
+    mantissa = round(-math.log2(info.eps))  # stored mantissa bits
+    emin = round(math.log2(info.tiny))  # exponent of the smallest normal
+    if dtype in _FP8:
+        x = x.clamp(-info.max, info.max)  # fp8 saturates (e4m3fn has no inf)
+    exponent = ((x.view(torch.int32) >> 23) & 0xFF) - 126  # x = m·2^exponent, |m| in [0.5, 1)
+    exponent = torch.clamp(exponent, min=emin + 1)  # below the normal range the spacing stays fixed
+    scaled = x * _pow2(mantissa + 1 - exponent)  # x / spacing, exact
+    below = torch.floor(scaled)
+    frac = scaled - below
+    if bits is None:
+        up = (frac > 0.5) | ((frac == 0.5) & (torch.remainder(below, 2) == 1))
+    else:
+        up = (bits.to(torch.float32) + 0.5) * (1.0 / 65536) < frac
+    return (below + up.to(torch.float32)) * _pow2(exponent - mantissa - 1)
+
+
+def round_to(x: Tensor, dtype: torch.dtype, key: Tensor | int | None = None, half: int = 0) -> Tensor:
+    """`x` rounded to `dtype`: stochastically with `key` (using the low or high 16 bits of
+    its hash, `half` 0 or 1, so two moments of one leaf share one hash), else to nearest
+    (ties to even).
+
+    Computed with integer and exact power-of-two ops, so inductor cannot skip the
+    rounding when it fuses this with later float32 math (it may skip a plain `.to()`
+    round trip: `emulate_precision_casts` is off by default).
+    """
+    x32 = x.to(torch.float32)
+    bits = None if key is None else (_random_bits(x32, key) >> (16 * half)) & 0xFFFF
+    y = _round_bf16(x32, bits) if dtype == torch.bfloat16 else _round_grid(x32, dtype, bits)
+    return y.to(dtype)
+
+
+def stochastic_round(x: Tensor, dtype: torch.dtype, key: Tensor | int) -> Tensor:
+    """`x` rounded to `dtype` up or down at random, unbiased: E[round(x)] = x.
+
+    x lies between two neighbours a < b of `dtype`; it becomes b with probability
+    (x - a) / (b - a). The random bits are a hash of `key` and each element's index,
+    so the same (x, key) gives the same result on every run, device and under
+    `torch.compile` or `vmap`; draw a fresh key per update (the building blocks use
+    their step count).
+
+    Args:
+      x: a float tensor (float64 is first rounded to float32 to nearest).
+      dtype: torch.bfloat16, torch.float16, torch.float8_e4m3fn or torch.float8_e5m2
+        (fp8 saturates at its largest finite value).
+      key: a 0-d int64 tensor or an int.
+
+    Example:
+        >>> import torch, purestep.core as ps
+        >>> x = torch.full((100_000,), 1.0 + 2**-10)  # a quarter of the way from 1 to the next bf16
+        >>> r = ps.stochastic_round(x, torch.bfloat16, key=0)
+        >>> sorted(r.unique().tolist()), round(r.float().mean().item(), 4)
+        ([1.0, 1.0078125], 1.001)
+    """
+    if dtype not in _NARROW:
+        raise ValueError(f"dtype must be one of {_NARROW} for stochastic rounding, got {dtype!r}")
+    return round_to(x, dtype, key)
+
+
+# --------------------------------------------------------------------------- #
+# 8-bit block quantization.
+# --------------------------------------------------------------------------- #
+
+BLOCK_SIZE = 256  # elements per scale, as bitsandbytes' and torchao's 8-bit optimizers
+MIN_QUANTIZED_SIZE = 4096  # smaller leaves stay float32 (bitsandbytes' min_8bit_size)
+
+
+class QuantizedTensor(NamedTuple):
+    """A tensor stored as 8-bit float codes times one float32 scale per block of 256 elements.
+
+    Element i is `codes.flatten()[i] · scale[i // 256]`; each block's scale maps its
+    largest magnitude onto the codes' largest finite value (448 for float8_e4m3fn).
+    `quantize_blockwise` builds one, `dequantize_blockwise` reads it back.
+    """
+
+    codes: Tensor  # the tensor's shape, float8_e4m3fn or float8_e5m2
+    scale: Tensor  # (ceil(numel / 256),), float32
+
+
+def _blocks(flat: Tensor) -> Tensor:
+    """A flat tensor zero-padded to whole blocks, as (blocks, BLOCK_SIZE)."""
+    pad = -flat.numel() % BLOCK_SIZE
+    return F.pad(flat, (0, pad)).view(-1, BLOCK_SIZE)
+
+
+def quantize_blockwise(
+    x: Tensor, dtype: torch.dtype = torch.float8_e4m3fn, *, key: Tensor | int | None = None, half: int = 0
+) -> QuantizedTensor:
+    """`x` as 8-bit float codes with a float32 absmax scale per block of 256 elements.
+
+    The error of each element is at most half a code spacing of its block: relative to
+    the block's absmax, 2⁻⁴ (e4m3) or 2⁻³ (e5m2) for the largest values, finer below.
+    With `key`, codes are rounded stochastically (unbiased) instead of to nearest.
+
+    Example:
+        >>> import torch, purestep.core as ps
+        >>> x = torch.linspace(-1, 1, 1000)
+        >>> q = ps.quantize_blockwise(x)
+        >>> q.codes.dtype, tuple(q.scale.shape), bool((ps.dequantize_blockwise(q) - x).abs().max() < 2**-4)
+        (torch.float8_e4m3fn, (4,), True)
+    """
+    if dtype not in _FP8:
+        raise ValueError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype!r}")
+    fmax = torch.finfo(dtype).max
+    blocks = _blocks(x.reshape(-1).to(torch.promote_types(x.dtype, torch.float32)))  # (blocks, 256)
+    scale = blocks.abs().amax(dim=1) / fmax  # (blocks,)
+    y = blocks / torch.where(scale > 0, scale, torch.ones_like(scale))[:, None]
+    codes = round_to(y, dtype, key, half) if key is not None else y.clamp(-fmax, fmax).to(dtype)
+    return QuantizedTensor(codes.view(-1)[: x.numel()].view(x.shape), scale.to(torch.float32))
+
+
+def dequantize_blockwise(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The tensor a `QuantizedTensor` stands for, in `dtype` (shaped like its codes)."""
+    blocks = _blocks(q.codes.reshape(-1).to(dtype)) * q.scale.to(dtype)[:, None]
+    return blocks.view(-1)[: q.codes.numel()].view(q.codes.shape)
+
+
+# --------------------------------------------------------------------------- #
+# Moments stored in a chosen dtype (used by the scale_by_* building blocks).
+# --------------------------------------------------------------------------- #
+
+STATE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16) + _FP8
+ROUNDINGS = ("stochastic", "nearest")
+
+
+def check_state_dtype(name: str, dtype: Any) -> None:
+    """Refuse a state dtype that is neither None nor one the moments can be stored in."""
+    if dtype is not None and dtype not in STATE_DTYPES:
+        names = ", ".join(str(d) for d in STATE_DTYPES)
+        raise ValueError(
+            f"{name} must be None (the param's dtype; float32 for float16 params) or one of {names} "
+            f"(fp8 means 8-bit block-quantized), got {dtype!r}"
+        )
+
+
+def check_rounding(rounding: Any) -> None:
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be 'stochastic' or 'nearest', got {rounding!r}")
+
+
+def _is_quantized(x: Any) -> bool:
+    return isinstance(x, QuantizedTensor)
+
+
+def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    out = torch.float32
+    for d in dtypes:
+        if d.is_floating_point and d.itemsize >= 4:
+            out = torch.promote_types(out, d)
+    return out
+
+
+def init_moments(params: Params, dtype: torch.dtype | None) -> Params:
+    """Zero moments like `params`, stored in `dtype`.
+
+    None keeps each param's dtype, except float16 (its range cannot hold a second
+    moment: g² underflows below 6e-8), which gets float32. An fp8 dtype stores
+    `QuantizedTensor`s, and leaves under `MIN_QUANTIZED_SIZE` elements in float32.
+    """
+
+    def zeros(p: Tensor) -> Any:
+        if not p.is_floating_point():
+            return torch.zeros_like(p)
+        d = dtype if dtype is not None else (torch.float32 if p.dtype == torch.float16 else p.dtype)
+        if d not in _FP8:
+            return torch.zeros_like(p, dtype=d)
+        if p.numel() < MIN_QUANTIZED_SIZE:
+            return torch.zeros_like(p, dtype=_compute_dtype(p.dtype))
+        blocks = -(-p.numel() // BLOCK_SIZE)
+        return QuantizedTensor(torch.zeros_like(p, dtype=d), torch.zeros(blocks, dtype=torch.float32, device=p.device))
+
+    return pytree.tree_map(zeros, params)
+
+
+def load_moments(
+    grads: Any, moments: Any, params: Any = None, *, second: bool = False
+) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    """`(grads, grads in the compute dtype, moments in the compute dtype)`, as leaf lists.
+
+    Checks that `grads` matches the moments leaf for leaf (structure and shapes), and
+    `params` when given (dtypes too). The compute dtype of a leaf is float32, or the
+    grad's (or stored moment's) dtype where wider. `second` marks a second moment
+    (stored as its square root when 8-bit).
+    """
+    stored, spec = pytree.tree_flatten(moments, is_leaf=_is_quantized)
+    like = pytree.tree_unflatten([m.codes if _is_quantized(m) else m for m in stored], spec)
+    gs = tr.check_match(grads, like, "grads", "params", dtype=False)
+    if params is not None:
+        tr.check_match(grads, params, "grads", "params")
+    wide, xs = [], []
+    for g, m in zip(gs, stored):
+        if not g.is_floating_point():
+            wide.append(g)
+            xs.append(m)
+            continue
+        cd = _compute_dtype(g.dtype, m.codes.dtype if _is_quantized(m) else m.dtype)
+        wide.append(g.to(cd))
+        if _is_quantized(m):
+            x = dequantize_blockwise(m, cd)
+            xs.append(x * x if second else x)
+        else:
+            xs.append(m.to(cd))
+    return gs, wide, xs
+
+
+def moment_keys(count: Tensor, n: int, rounding: str) -> list[Tensor] | None:
+    """The stochastic-rounding keys of `n` leaves at update `count` (None to round to nearest).
+
+    A block computes them once and passes them to every `store_moments` call, so a first
+    and a second moment of one leaf share one per-element hash (compiled, it is computed once).
+    """
+    return [leaf_key(count, i) for i in range(n)] if rounding == "stochastic" else None
+
+
+def store_moments(xs: list[Tensor], moments: Any, keys: list[Tensor] | None, *, second: bool = False) -> Any:
+    """New moments `xs` (compute dtype) stored like `moments`: narrowing rounds
+    stochastically with `keys` (from `moment_keys`), else to nearest; a `second` moment
+    takes the other 16 bits of each hash."""
+    stored, spec = pytree.tree_flatten(moments, is_leaf=_is_quantized)
+    half = int(second)
+    out = []
+    for i, (x, m) in enumerate(zip(xs, stored)):
+        key = None if keys is None else keys[i]
+        if _is_quantized(m):
+            out.append(quantize_blockwise(torch.sqrt(x) if second else x, m.codes.dtype, key=key, half=half))
+        elif x.dtype == m.dtype:
+            out.append(x)
+        elif key is not None and m.dtype in _NARROW:
+            out.append(round_to(x, m.dtype, key, half))
+        else:
+            out.append(x.to(m.dtype))
+    return pytree.tree_unflatten(out, spec)
+
+
+# --------------------------------------------------------------------------- #
+# bf16/fp16 params without drift.
+# --------------------------------------------------------------------------- #
+
+
+class CompensatedUpdatesState(NamedTuple):
+    """State of `compensated_updates`: the step count and the rounding error carried per param."""
+
+    count: Tensor  # (), int64: keys stochastic rounding
+    compensation: Params  # what rounding p + u dropped, in the param's dtype (0 elements for wide params)
+
+
+_METHODS = ("kahan", "stochastic")
+
+
+def compensated_updates(*, method: str = "kahan") -> Transform:
+    """Apply updates to bf16/fp16 params without losing the part below their precision.
+
+    Put it last in the chain, right before `apply_updates`: for each 16-bit param it
+    returns the update that moves `p` to the rounding of the exact sum s = p + u + c.
+    With `method="kahan"` (compensated summation, as torch-optimi's `kahan_sum`) the
+    rounding is to nearest and c, the error it dropped, is kept in the state in the
+    param's dtype and added back next step, so small updates accumulate instead of
+    vanishing. With `method="stochastic"` s is rounded stochastically (unbiased in
+    expectation) and nothing is carried. float32/float64 params pass through.
+
+    Args:
+      method: "kahan" (a compensation buffer per 16-bit param, in the state and in
+        checkpoints) or "stochastic" (no buffer; randomness keyed by the step count).
+
+    Warning:
+        The returned update is exact only when added to the same params in their dtype
+        (`ps.apply_updates`, `make_step`, `make_update` do); anything between this
+        transform and the addition breaks the bookkeeping.
+
+    Example:
+        >>> import torch, purestep.core as ps
+        >>> opt = ps.chain(ps.sgd(lr=1.0), ps.compensated_updates())
+        >>> p = {"w": torch.ones(1, dtype=torch.bfloat16)}
+        >>> state = opt.init(p)
+        >>> for _ in range(100):  # 1e-3 is below half a bf16 ulp of 1.0: plain bf16 stays at 1
+        ...     u, state = opt.update({"w": torch.full((1,), -1e-3, dtype=torch.bfloat16)}, state, p)
+        ...     p = ps.apply_updates(p, u)
+        >>> round(p["w"].item(), 2)
+        1.1
+    """
+    if method not in _METHODS:
+        raise ValueError(f"method must be 'kahan' or 'stochastic', got {method!r}")
+
+    def buffer(p: Tensor) -> Tensor:
+        if method == "kahan" and p.dtype in (torch.bfloat16, torch.float16):
+            return torch.zeros_like(p)
+        return torch.zeros(0, dtype=p.dtype, device=p.device)
+
+    def init(params: Params) -> CompensatedUpdatesState:
+        count = zero_count(leaf_device(pytree.tree_leaves(params)))
+        return CompensatedUpdatesState(count, pytree.tree_map(buffer, params))
+
+    def update(updates, state, params=None, **extra):
+        if params is None:
+            raise ValueError("compensated_updates needs params: call update(grads, state, params)")
+        ps_ = tr.check_match(params, updates, "params", "updates", dtype=False)
+        us, spec = pytree.tree_flatten(updates)
+        cs, cspec = pytree.tree_flatten(state.compensation)
+        if cspec != spec:
+            raise ValueError("compensated_updates: the updates are not structured like the params this state was built for")
+        out, new_cs = [], []
+        for i, (p, u, c) in enumerate(zip(ps_, us, cs)):
+            if p.dtype not in (torch.bfloat16, torch.float16):
+                out.append(u)
+                new_cs.append(c)
+                continue
+            s = p.float() + u.float() + (c.float() if c.numel() else 0.0)  # the exact target, float32
+            # Rounded with integer ops: a fused compiled kernel keeps the rounding (see round_to).
+            target = round_to(s, p.dtype, None if method == "kahan" else leaf_key(state.count, i, salt=1))
+            step = (target.float() - p.float()).to(p.dtype)
+            out.append(step)
+            if c.numel():
+                applied = (p.float() + step.float()).to(p.dtype)  # what apply_updates will store
+                left = s - applied.float()
+                new_cs.append(torch.where(torch.isfinite(left), left, torch.zeros_like(left)).to(p.dtype))
+            else:
+                new_cs.append(c)
+        new_state = CompensatedUpdatesState(state.count + 1, pytree.tree_unflatten(new_cs, spec))
+        return pytree.tree_unflatten(out, spec), new_state
+
+    return Transform(init, update)

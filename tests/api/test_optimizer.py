@@ -468,3 +468,100 @@ def test_loading_a_torch_state_dict_that_does_not_fit_names_what():
         generic.load_state_dict(ref.state_dict())
     with pytest.raises(ValueError, match="generic layout.*keeps Adam's"):
         opt.load_state_dict(generic.state_dict())
+
+
+# --------------------------------------------------------------------------- #
+# Grads, zero_grad, replaced params, the compiled path.
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_and_steps_without_backward_follow_torch(set_to_none):
+    """zero_grad(set_to_none=False) keeps zero grads, so a step without backward still
+    updates (Adam's momentum moves the params); with None grads the step is skipped."""
+    ours, theirs = make_model(), make_model()
+    opt = Optimizer(ours.parameters(), ps.adam, lr=1e-2)
+    ref = torch.optim.Adam(theirs.parameters(), lr=1e-2)
+    for i, (x, y) in enumerate(batches(6)):
+        for model, o in ((ours, opt), (theirs, ref)):
+            o.zero_grad(set_to_none=set_to_none)
+            if i % 2 == 0:
+                loss_of(model, x, y).backward()
+            o.step()
+        assert [p.grad is None for p in ours.parameters()] == [p.grad is None for p in theirs.parameters()]
+    assert_same_params(ours, theirs)
+    steps = {float(s["step"]) for s in ref.state_dict()["state"].values()}
+    assert steps == {float(s["step"]) for s in opt.state_dict()["state"].values()} == {6.0 if not set_to_none else 3.0}
+
+
+def test_a_param_whose_dtype_changed_after_construction_is_named():
+    model = make_model()
+    opt = Optimizer(model.named_parameters(), ps.adamw, lr=1e-2)
+    model.float()  # replaces each param's data with a float32 copy
+    loss_of(model, *(t.float() for t in batches(1)[0])).backward()
+    with pytest.raises(ValueError, match=r"param '0.weight' is now torch.float32 .* built for torch.float64.*model.to"):
+        opt.step()
+
+
+def test_a_compiled_group_refuses_a_param_with_new_storage():
+    model = make_model()
+    opt = Optimizer(model.named_parameters(), ps.adamw, lr=1e-2, compile=True)
+    with torch.no_grad():
+        model[2].bias.data = model[2].bias.data.clone()  # same values, new address
+    loss_of(model, *batches(1)[0]).backward()
+    with pytest.raises(ValueError, match=r"param '2.bias' has new storage.*p.copy_\(new\)"):
+        opt.step()  # raised before anything compiles
+
+
+def test_eager_groups_follow_a_param_with_new_storage_as_torch():
+    ours, theirs = make_model(), make_model()
+    opt = Optimizer(ours.parameters(), ps.adamw, lr=1e-2, compile=False)
+    ref = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+    for i, (x, y) in enumerate(batches()):
+        if i == 3:
+            for model in (ours, theirs):
+                model[0].weight.data = model[0].weight.data.clone()
+        for model, o in ((ours, opt), (theirs, ref)):
+            o.zero_grad()
+            loss_of(model, x, y).backward()
+            o.step()
+    assert_same_params(ours, theirs)
+
+
+def test_the_size_rule_picks_eager_for_small_groups_and_compile_for_large_ones():
+    from purestep.api.optimizer import AUTO_COMPILE_NUMEL
+
+    small = torch.nn.Parameter(torch.zeros(3))
+    large = torch.nn.Parameter(torch.zeros(AUTO_COMPILE_NUMEL))  # one group of each; nothing runs
+    opt = Optimizer([{"params": [small]}, {"params": [large]}], ps.sgd, lr=0.1)
+    assert [g.compiled for g in opt._groups] == [False, True]
+    assert Optimizer([large], ps.sgd, lr=0.1, compile=False)._groups[0].compiled is False
+
+
+def test_compiled_adapter_matches_torch_adamw_and_its_state_loads_into_torch():
+    ours, theirs = make_model(), make_model()
+    kw = dict(lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1)
+    opt = Optimizer(ours.parameters(), ps.adamw, compile=True, **kw)
+    ref = torch.optim.AdamW(theirs.parameters(), **kw)
+    sched, ref_sched = (torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=STEPS) for o in (opt, ref))
+    data = batches()
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for x, y in data[:1]:
+            for model, o, s in ((ours, opt, sched), (theirs, ref, ref_sched)):
+                o.zero_grad()
+                loss_of(model, x, y).backward()
+                with torch.compiler.set_stance("default"):  # the first step compiles
+                    o.step()
+                s.step()
+        for x, y in data[1:]:  # lr changes every step: no recompile
+            for model, o, s in ((ours, opt, sched), (theirs, ref, ref_sched)):
+                o.zero_grad()
+                loss_of(model, x, y).backward()
+                o.step()
+                s.step()
+    assert_same_params(ours, theirs)
+    sd = opt.state_dict()
+    assert sd["param_groups"] == ref.state_dict()["param_groups"]
+    for i, entry in ref.state_dict()["state"].items():
+        for name, value in entry.items():
+            torch.testing.assert_close(sd["state"][i][name], value, rtol=1e-12, atol=1e-15)

@@ -34,18 +34,41 @@ class _Group:
         self.names = names
         self.compiled = compiled
         self.update = ps.make_update(transform, compile=compiled, donate=True)
+        # The params as the update sees them: detached views, kept while their storage is.
+        self.tree = dict(zip(names, (p.detach() for p in params)))
+        self.addresses = [p.data_ptr() for p in params]
+        self.meta = [(p.shape, p.dtype, p.device) for p in params]
         with torch.no_grad():
-            self.state = transform.init(dict(zip(names, (p.detach() for p in params))))
+            self.state = transform.init(self.tree)
         self.mirror: L.Mirror | None = None
         self.static: dict[str, Any] = {}  # group key -> the value the transform was built with
-        self.meta = [(p.shape, p.dtype, p.device) for p in params]
-        self.addresses = [p.data_ptr() for p in params]
         self.refresh()
 
     def refresh(self) -> None:
         """Re-read the injected hyperparameters after the state was replaced."""
         self.hyper = ps.get_hyperparams(self.state)  # key -> the live 0-d tensor(s)
         self.pushed = {k: _plain(v) for k, v in self.hyper.items()}  # key -> value in the state
+
+    def rebind(self, params: list[Tensor]) -> None:
+        """Follow params whose storage changed, as torch.optim does; refuse what the state or a
+        compiled update cannot follow."""
+        for i, (n, p) in enumerate(zip(self.names, params)):
+            if p.data_ptr() == self.addresses[i]:
+                continue
+            shape, dtype, device = self.meta[i]
+            if (p.shape, p.dtype, p.device) != self.meta[i]:
+                raise ValueError(
+                    f"param {n!r} is now {p.dtype} {tuple(p.shape)} on {p.device}, but the Optimizer was built "
+                    f"for {dtype} {tuple(shape)} on {device}; build the Optimizer after model.to(...)/.half()"
+                )
+            if self.compiled:
+                raise ValueError(
+                    f"param {n!r} has new storage (p.data = ... or a re-created tensor) since the Optimizer "
+                    "was built; its compiled update keeps params at fixed addresses: copy new values in "
+                    "(with torch.no_grad(): p.copy_(new)) or build a new Optimizer"
+                )
+            self.tree[n] = p.detach()
+            self.addresses[i] = p.data_ptr()
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -237,11 +260,12 @@ class Optimizer(torch.optim.Optimizer):
         """Write group values that changed into the state; refuse a changed structural one."""
         for key, old in g.pushed.items():
             new = group[key]
-            if _changed(new, old):
+            if new is not old and _changed(new, old):
                 _fill(g.hyper[key], new, f"param group {index} {key!r}")
                 g.pushed[key] = new
         for key, value in g.static.items():
-            if not L.same(L.canonical(key, group.get(key)), L.canonical(key, value)):
+            new = group.get(key)
+            if new is not value and not L.same(L.canonical(key, new), L.canonical(key, value)):
                 raise ValueError(
                     f"param group {index} has {key}={group.get(key)!r}, but its transform was built with "
                     f"{key}={value!r}; that is structure, not a hyperparameter: build a new Optimizer"
@@ -259,12 +283,15 @@ class Optimizer(torch.optim.Optimizer):
         for index, (group, g) in enumerate(zip(self.param_groups, self._groups)):
             params = group["params"]
             grads = [p.grad for p in params]
-            if all(gr is None for gr in grads):
+            missing = sum(gr is None for gr in grads)  # not list.count: that calls Tensor.__eq__
+            if missing == len(grads):
                 continue  # nothing to do, as torch.optim
-            _check_step(index, g, params, grads)
+            if missing or any(gr.is_sparse for gr in grads):
+                _refuse_grads(g.names, grads)
+            if [p.data_ptr() for p in params] != g.addresses:
+                g.rebind(params)
             self._push(group, g, index)
-            tree = dict(zip(g.names, (p.detach() for p in params)))
-            g.state = g.update(tree, dict(zip(g.names, grads)), g.state)[1]
+            g.state = g.update(g.tree, dict(zip(g.names, grads)), g.state)[1]
         return loss
 
     # ------------------------------------------------------------------ state
@@ -371,8 +398,8 @@ def _fill(target: Any, value: Any, where: str) -> None:
         target.fill_(value)
 
 
-def _check_step(index: int, g: _Group, params: list[Tensor], grads: list[Tensor | None]) -> None:
-    missing = [n for n, gr in zip(g.names, grads) if gr is None]
+def _refuse_grads(names: list[str], grads: list[Tensor | None]) -> None:
+    missing = [n for n, gr in zip(names, grads) if gr is None]
     if missing:
         raise ValueError(
             f"params {missing[:3]} have no grad while others in their group do; a purestep transform "
@@ -380,20 +407,8 @@ def _check_step(index: int, g: _Group, params: list[Tensor], grads: list[Tensor 
             "[p for p in model.parameters() if p.requires_grad]); a param re-created after the Optimizer "
             "was built (model.w = nn.Parameter(...)) also shows up this way"
         )
-    for n, p, gr, meta, address in zip(g.names, params, grads, g.meta, g.addresses):
-        if gr.is_sparse:
-            raise ValueError(f"param {n!r} has a sparse grad; purestep transforms need dense grads")
-        if (p.shape, p.dtype, p.device) != meta:
-            raise ValueError(
-                f"param {n!r} is now {p.dtype} {tuple(p.shape)} on {p.device}, but the Optimizer was built for "
-                f"{meta[1]} {tuple(meta[0])} on {meta[2]}; build the Optimizer after model.to(...)/.half()"
-            )
-        if g.compiled and p.data_ptr() != address:
-            raise ValueError(
-                f"param {n!r} has new storage (p.data = ... or a re-created tensor) since the Optimizer was "
-                "built; its compiled update keeps params at fixed addresses: copy new values in "
-                "(with torch.no_grad(): p.copy_(new)) or build a new Optimizer"
-            )
+    sparse = next(n for n, gr in zip(names, grads) if gr.is_sparse)
+    raise ValueError(f"param {sparse!r} has a sparse grad; purestep transforms need dense grads")
 
 
 def _layout_mismatch(torch_class: type | None, where: str) -> str:

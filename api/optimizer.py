@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Iterable
 
 import torch
-import torch.utils._pytree as pytree
 from torch import Tensor
 
 import purestep.core as ps
 
-# optax field names -> the names torch.optim gives the same per-param buffers.
-_TORCH_NAMES = {"mu": "exp_avg", "nu": "exp_avg_sq", "trace": "momentum_buffer"}
-# Keys of a param group that are structure, not hyperparameters.
-_STRUCTURE_KEYS = ("params", "param_names")
+from . import _state_layout as L
+
+# A group with at least this many elements compiles its update by default (see `Optimizer`).
+AUTO_COMPILE_NUMEL = 1 << 22
 
 
 class _ParamGroup(dict):
@@ -22,75 +22,166 @@ class _ParamGroup(dict):
     def __missing__(self, key: str) -> Any:
         raise KeyError(
             f"{key!r}: this param group holds no hyperparameter {key!r}; build the transform with "
-            f"ps.inject_hyperparams(factory)({key}=...) so schedulers and param groups can set it"
+            f"ps.inject_hyperparams(factory)({key}=...), or give Optimizer the factory "
+            f"(Optimizer(params, ps.adamw, {key}=...)), so schedulers and param groups can set it"
         )
 
 
 class _Group:
-    """What the adapter keeps per param group: its transform, state and pushed values."""
+    """What the adapter keeps per param group besides torch's group dict."""
 
-    def __init__(self, transform: ps.Transform, names: list[str], run: Callable, state: Any) -> None:
-        self.transform = transform
+    def __init__(self, transform: ps.Transform, names: list[str], params: list[Tensor], compiled: bool) -> None:
         self.names = names
-        self.run = run
-        self.state = state
-        self.pushed: dict[str, Any] = {}  # hyperparameter -> the value last written into state
+        self.compiled = compiled
+        self.update = ps.make_update(transform, compile=compiled, donate=True)
+        # The params as the update sees them: detached views, kept while their storage is.
+        self.tree = dict(zip(names, (p.detach() for p in params)))
+        self.addresses = [p.data_ptr() for p in params]
+        self.meta = [(p.shape, p.dtype, p.device) for p in params]
+        with torch.no_grad():
+            self.state = transform.init(self.tree)
+        self.mirror: L.Mirror | None = None
+        self.static: dict[str, Any] = {}  # group key -> the value the transform was built with
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Re-read the injected hyperparameters after the state was replaced."""
+        self.hyper = ps.get_hyperparams(self.state)  # key -> the live 0-d tensor(s)
+        self.pushed = {k: _plain(v) for k, v in self.hyper.items()}  # key -> value in the state
+
+    def rebind(self, params: list[Tensor]) -> None:
+        """Follow params whose storage changed, as torch.optim does; refuse what the state or a
+        compiled update cannot follow."""
+        for i, (n, p) in enumerate(zip(self.names, params)):
+            if p.data_ptr() == self.addresses[i]:
+                continue
+            shape, dtype, device = self.meta[i]
+            if (p.shape, p.dtype, p.device) != self.meta[i]:
+                raise ValueError(
+                    f"param {n!r} is now {p.dtype} {tuple(p.shape)} on {p.device}, but the Optimizer was built "
+                    f"for {dtype} {tuple(shape)} on {device}; build the Optimizer after model.to(...)/.half()"
+                )
+            if self.compiled:
+                raise ValueError(
+                    f"param {n!r} has new storage (p.data = ... or a re-created tensor) since the Optimizer "
+                    "was built; its compiled update keeps params at fixed addresses: copy new values in "
+                    "(with torch.no_grad(): p.copy_(new)) or build a new Optimizer"
+                )
+            self.tree[n] = p.detach()
+            self.addresses[i] = p.data_ptr()
 
 
 class Optimizer(torch.optim.Optimizer):
     """A `torch.optim.Optimizer` that runs a purestep transform in place.
 
-    Each param group is a pytree `dict(name -> param)` (names from `named_parameters()`,
+    Give it a transform (`ps.chain(...)`, `ps.inject_hyperparams(ps.lion)(lr=...)`, any
+    `ps.Transform`), or a factory and its arguments the torch.optim way:
+    `Optimizer(model.parameters(), ps.adamw, lr=1e-3, weight_decay=0.1)` runs
+    `ps.inject_hyperparams(ps.adamw)(...)` per param group, so a group dict may set any
+    of the factory's arguments (`{"params": ..., "lr": 1e-4, "nesterov": True}`) and every
+    hyperparameter appears in `param_groups[i]`, where schedulers, `GradScaler` and your
+    code change it; the change reaches the state at the next `step`. With a built transform,
+    the hyperparameters held by `ps.inject_hyperparams` appear in the groups the same way.
+
+    Each group's params form a pytree `dict(name -> param)` (names from `named_parameters()`,
     else the param's index), so masks and labels such as `ps.decay_mask` see names.
-    A group dict may carry its own `"transform"`. When a transform was built with
-    `ps.inject_hyperparams`, its hyperparameters (`lr`, `betas`, `weight_decay`...) appear
-    in every `param_groups[i]` as plain values, and whatever writes them there
-    (a `torch.optim.lr_scheduler`, a group dict, your code) reaches the state through
-    `ps.set_hyperparam` at the next `step`.
+
+    `state_dict()` of `ps.sgd`, `ps.adam`, `ps.adamw` and `ps.muon` given as factories has
+    torch's layout: it loads into `torch.optim.SGD`/`Adam`/`AdamW`/`Muon` and theirs loads
+    into it (`exp_avg`, `exp_avg_sq`, `max_exp_avg_sq`, `momentum_buffer`, a float `step` per
+    param for Adam/AdamW, torch's group keys). Any other transform, or a group with its own
+    `"transform"`, gives the generic layout: per-param buffers under torch-style names
+    where one exists, state a group shares under the group's `"shared_state"`.
+
+    How it runs: each group's update is `ps.make_update(transform, compile=..., donate=True)`,
+    writing params and state in place. `compile=None` compiles a group of at least
+    `AUTO_COMPILE_NUMEL` (4M) elements and runs smaller ones eagerly; the first compiled step
+    costs the compile (tens of seconds on a CPU, see the README), later ones run fused kernels.
 
     Args:
       params: `model.parameters()`, `model.named_parameters()`, or param-group dicts
         (`{"params": ..., "lr": 1e-4}` or `{"params": ..., "transform": ps.sgd(0.1)}`).
-      transform: any `ps.Transform`, e.g. `ps.inject_hyperparams(ps.adamw)(lr=1e-3)`.
-      compile: run the update under `torch.compile` (through `ps.make_update`).
+      transform: a `ps.Transform`, or a factory returning one (`ps.adamw`) with
+        `hyperparams` as its arguments.
+      compile: True, False, or None for the size rule above.
+      **hyperparams: the factory's arguments (only with a factory).
 
     Warning:
         The state is created at construction (torch.optim creates it at the first step),
         for all params of a group at once: a step where some params of a group have a
         grad and others have `None` raises, since a pure transform cannot skip a leaf.
-        Build the optimizer from the trainable params only. As in torch.optim,
+        Build the optimizer from the trainable params only. A param's shape, dtype and
+        device must stay as they were at construction (build the optimizer after
+        `model.to(...)`), and a compiled group's params keep their storage: replacing
+        `p.data` raises at the next step (copy into it instead). As in torch.optim,
         `state_dict()` returns references to the live state tensors.
 
     Example:
         >>> import torch, purestep.core as ps
         >>> from purestep.api import Optimizer
         >>> model = torch.nn.Linear(3, 1)
-        >>> opt = Optimizer(model.named_parameters(), ps.inject_hyperparams(ps.adamw)(lr=1e-2))
+        >>> opt = Optimizer(model.parameters(), ps.adamw, lr=1e-2)
         >>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
         >>> model(torch.randn(8, 3)).pow(2).mean().backward()
         >>> opt.step(); sched.step(); opt.zero_grad()
-        >>> opt.param_groups[0]["lr"]
-        0.005
+        >>> opt.param_groups[0]["lr"], sorted(opt.state_dict()["state"][0])
+        (0.005, ['exp_avg', 'exp_avg_sq', 'step'])
+        >>> torch.optim.AdamW(model.parameters()).load_state_dict(opt.state_dict())
     """
 
     def __init__(
         self,
         params: Iterable[Any],
-        transform: ps.Transform,
+        transform: ps.Transform | Callable[..., ps.Transform],
         *,
-        compile: bool = False,
+        compile: bool | None = None,
+        **hyperparams: Any,
     ) -> None:
-        if not isinstance(transform, ps.Transform):
-            raise ValueError(
-                f"transform must be a ps.Transform (e.g. ps.adamw(1e-3)), got {type(transform).__name__}"
-            )
         self.transform = transform
         self._compile = compile
         self._groups: list[_Group] = []
         self._n_params = 0
-        super().__init__(params, defaults={})
-        # What schedulers read (OneCycleLR checks for "betas"/"momentum" here).
-        self.defaults = {k: v for k, v in self.param_groups[0].items() if k not in _STRUCTURE_KEYS}
+        self._factory: Callable[..., ps.Transform] | None = None
+        self._kwargs: dict[str, Any] = {}
+        self._mirror: L.Mirror | None = None
+        defaults: dict[str, Any] = {}
+        if isinstance(transform, ps.Transform):
+            if hyperparams:
+                raise ValueError(
+                    f"hyperparameters {sorted(hyperparams)} go with a factory (Optimizer(params, ps.adamw, "
+                    "lr=1e-3)); a built transform already holds its values"
+                )
+        elif callable(transform) and not isinstance(transform, type):
+            self._factory, self._mirror = transform, L.mirrors().get(transform)
+            try:
+                bound = inspect.signature(transform).bind(**hyperparams)
+            except TypeError as e:
+                raise ValueError(f"Optimizer arguments for {_name(transform)}: {e}") from None
+            bound.apply_defaults()
+            self._kwargs = dict(bound.arguments)
+            if self._mirror is not None:
+                defaults = L.torch_group(transform, self._mirror, self._kwargs, "Optimizer")
+            else:
+                defaults = {k: v for k, v in self._kwargs.items() if _is_plain(v)}
+        else:
+            raise ValueError(
+                f"transform must be a ps.Transform (e.g. ps.adamw(1e-3)) or a factory (ps.adamw), "
+                f"got {getattr(transform, '__name__', type(transform).__name__)}"
+            )
+        super().__init__(params, defaults)
+        if self._factory is None:  # what schedulers read (OneCycleLR checks for "betas"/"momentum")
+            self.defaults = {k: v for k, v in self.param_groups[0].items() if k not in L.STRUCTURE_KEYS}
+
+    @property
+    def torch_class(self) -> type | None:
+        """The torch.optim class whose layout `state_dict()` has, or None for the generic layout."""
+        mirror = self._groups[0].mirror if self._groups else None
+        return mirror.cls if mirror is not None and all(g.mirror is mirror for g in self._groups) else None
+
+    @property
+    def opt_states(self) -> list[Any]:
+        """The transform state of each param group (a pytree of tensors)."""
+        return [g.state for g in self._groups]
 
     # ------------------------------------------------------------------ groups
 
@@ -99,161 +190,185 @@ class Optimizer(torch.optim.Optimizer):
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
         param_group = _ParamGroup(param_group)
-        transform = param_group.pop("transform", None) or self.transform
-        if not isinstance(transform, ps.Transform):
-            raise ValueError(f"param group 'transform' must be a ps.Transform, got {type(transform).__name__}")
-        given = {k: v for k, v in param_group.items() if k not in _STRUCTURE_KEYS}
+        own = param_group.pop("transform", None)
+        if own is not None and not isinstance(own, ps.Transform):
+            raise ValueError(f"param group 'transform' must be a ps.Transform, got {type(own).__name__}")
+        given = {k: v for k, v in param_group.items() if k not in L.STRUCTURE_KEYS}
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        params = group["params"]
         index = len(self.param_groups) - 1
+        where = f"param group {index}"
+        params = group["params"]
         names = list(group.get("param_names") or [str(self._n_params + i) for i in range(len(params))])
         if len(set(names)) != len(names):
             dup = next(n for n in names if names.count(n) > 1)
-            raise ValueError(f"param group {index} names two params {dup!r}; param names must be unique")
+            raise ValueError(f"{where} names two params {dup!r}; param names must be unique")
         for p, n in zip(params, names):
             if p.is_sparse:
                 raise ValueError(f"param {n!r} is sparse; purestep transforms need dense tensors")
         self._n_params += len(params)
-        with torch.no_grad():
-            state = transform.init(dict(zip(names, (p.detach() for p in params))))
-        g = _Group(transform, names, self._make_run(transform), state)
-        exposed = _injected(state)
-        for key, value in given.items():
-            if key not in exposed:
+
+        mirror, static = None, {}
+        if own is None and self._factory is not None:
+            kwargs = {**self._kwargs, **L.factory_kwargs(self._factory, self._mirror, group, where)}
+            if self._mirror is not None:
+                mirror = self._mirror
+                expect = L.torch_group(self._factory, mirror, kwargs, where)
+                known = set(expect) | set(kwargs) | set(mirror.renames.values()) | set(L.STRUCTURE_KEYS)
+                unknown = [k for k in group if k not in known]
+                if unknown:
+                    raise ValueError(
+                        f"{where} sets {unknown[0]!r}, which neither {_name(self._factory)} nor "
+                        f"{mirror.cls.__name__} takes"
+                    )
+                for key, value in expect.items():
+                    if key not in L.IMPLEMENTATION_KEYS and not L.same(group.get(key, value), value):
+                        raise ValueError(
+                            f"{where} sets {key}={group[key]!r}, but {_name(self._factory)} runs "
+                            f"{mirror.cls.__name__}'s {key}={value!r}"
+                        )
+                    group.setdefault(key, value)
+            transform = ps.inject_hyperparams(self._factory)(**kwargs)
+            static = {k: v for k, v in group.items() if k not in L.STRUCTURE_KEYS and k not in L.IMPLEMENTATION_KEYS}
+        else:
+            transform = own if own is not None else self.transform
+        numel = sum(p.numel() for p in params)
+        compiled = self._compile if self._compile is not None else numel >= AUTO_COMPILE_NUMEL
+        g = _Group(transform, names, params, compiled)
+        if mirror is not None:
+            L.check_torch_layout(g.state, names, mirror)
+        g.mirror = mirror
+        for key in g.pushed:
+            static.pop(key, None)
+        g.static = static
+        if self._factory is None:
+            unknown = [k for k in given if k not in g.pushed]
+            if unknown:
                 raise ValueError(
-                    f"param group {index} sets {key!r}, which its transform does not hold as a "
-                    f"hyperparameter (it holds: {sorted(exposed) or 'none'}); build it with "
-                    f"ps.inject_hyperparams(factory)({key}=...) or give the group its own 'transform'"
+                    f"{where} sets {unknown[0]!r}, which its transform does not hold as a hyperparameter "
+                    f"(it holds: {sorted(g.pushed) or 'none'}); build it with "
+                    f"ps.inject_hyperparams(factory)({unknown[0]}=...) or give the group its own 'transform'"
                 )
-        for key, value in exposed.items():
-            group.setdefault(key, value)
-            g.pushed[key] = value
+            for key, value in g.pushed.items():
+                group.setdefault(key, value)
+        else:
+            group.update(g.pushed)  # the values as the state holds them
+        self._push(group, g, index)
         self._groups.append(g)
 
-    def _make_run(self, transform: ps.Transform) -> Callable[[dict, dict, Any], Any]:
-        update = ps.make_update(transform, compile=self._compile, donate=True)
-
-        def run(params: dict, grads: dict, state: Any) -> Any:
-            return update(params, grads, state)[1]
-
-        return run
-
-    def _push_hyperparams(self, group: dict[str, Any], g: _Group) -> None:
+    def _push(self, group: dict[str, Any], g: _Group, index: int) -> None:
+        """Write group values that changed into the state; refuse a changed structural one."""
         for key, old in g.pushed.items():
             new = group[key]
-            if _changed(new, old):
-                g.state = ps.set_hyperparam(g.state, key, new)
+            if new is not old and _changed(new, old):
+                _fill(g.hyper[key], new, f"param group {index} {key!r}")
                 g.pushed[key] = new
+        for key, value in g.static.items():
+            new = group.get(key)
+            if new is not value and not L.same(L.canonical(key, new), L.canonical(key, value)):
+                raise ValueError(
+                    f"param group {index} has {key}={group.get(key)!r}, but its transform was built with "
+                    f"{key}={value!r}; that is structure, not a hyperparameter: build a new Optimizer"
+                )
 
     # ------------------------------------------------------------------ step
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """One update of every group; `closure` (re)computes the loss and grads first."""
+        """One update of every group whose params have grads; `closure` (re)computes loss and grads first."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group, g in zip(self.param_groups, self._groups):
+        for index, (group, g) in enumerate(zip(self.param_groups, self._groups)):
             params = group["params"]
             grads = [p.grad for p in params]
-            missing = [n for n, gr in zip(g.names, grads) if gr is None]
-            if len(missing) == len(grads):
+            missing = sum(gr is None for gr in grads)  # not list.count: that calls Tensor.__eq__
+            if missing == len(grads):
                 continue  # nothing to do, as torch.optim
-            if missing:
-                raise ValueError(
-                    f"params {missing[:3]} have no grad while others in their group do; a purestep "
-                    "transform updates a whole tree, so build the Optimizer from the params that train "
-                    "(e.g. [p for p in model.parameters() if p.requires_grad])"
-                )
-            for n, gr in zip(g.names, grads):
-                if gr.is_sparse:
-                    raise ValueError(f"param {n!r} has a sparse grad; purestep transforms need dense grads")
-            self._push_hyperparams(group, g)
-            tree = dict(zip(g.names, (p.detach() for p in params)))
-            g.state = g.run(tree, dict(zip(g.names, grads)), g.state)
+            if missing or any(gr.is_sparse for gr in grads):
+                _refuse_grads(g.names, grads)
+            if [p.data_ptr() for p in params] != g.addresses:
+                g.rebind(params)
+            self._push(group, g, index)
+            g.state = g.update(g.tree, dict(zip(g.names, grads)), g.state)[1]
         return loss
 
     # ------------------------------------------------------------------ state
 
-    @property
-    def opt_states(self) -> list[Any]:
-        """The transform state of each param group (a pytree of tensors)."""
-        return [g.state for g in self._groups]
-
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """`{"state": {param index: {name: tensor}}, "param_groups": [...]}`, tensors and plain values only.
 
-        Per-param buffers take torch's names where one exists (`mu` -> `exp_avg`,
-        `nu` -> `exp_avg_sq`, `trace` -> `momentum_buffer`); state shared by a group
-        (step counts, injected hyperparameters) is under the group's `"shared_state"`.
+        torch's layout when `torch_class` is set, else the generic one (see the class docstring).
         """
+        torch_layout = self.torch_class is not None
         state: dict[int, dict[str, Tensor]] = {}
         groups = []
         first = 0
         for group, g in zip(self.param_groups, self._groups):
             ids = list(range(first, first + len(g.names)))
             first += len(g.names)
-            leaves, _ = ps.tree_flatten_with_path(g.state)
-            shared = {}
-            for (path, leaf), (kind, key) in zip(leaves, _layout(g.state, g.names)):
-                if kind == "shared":
-                    shared[key] = leaf
-                else:
-                    state.setdefault(ids[g.names.index(kind)], {})[key] = leaf
             packed = {k: v for k, v in group.items() if k != "params"}
             packed["params"] = ids
-            packed["shared_state"] = shared
+            if torch_layout:
+                state.update(L.export_torch(g.state, g.names, ids, g.mirror, group))
+            else:
+                per, packed["shared_state"] = L.export_generic(g.state, g.names, ids)
+                state.update(per)
             groups.append(packed)
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Restore what `state_dict` returned; the run then continues bit for bit."""
+        """Restore a `state_dict` of this layout (from this class, or from `torch_class`)."""
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
                 f"state_dict has {len(saved_groups)} param groups, this optimizer has {len(self.param_groups)}"
             )
-        saved_state = state_dict["state"]
+        torch_layout = self.torch_class is not None
         new_states = []
-        for index, (saved, group, g) in enumerate(zip(saved_groups, self.param_groups, self._groups)):
+        for index, (saved, g) in enumerate(zip(saved_groups, self._groups)):
+            where = f"param group {index}"
             ids = list(saved["params"])
             if len(ids) != len(g.names):
-                raise ValueError(
-                    f"param group {index} of the state_dict has {len(ids)} params, this optimizer's has {len(g.names)}"
-                )
-            if "param_names" in saved and "param_names" in group and list(saved["param_names"]) != g.names:
+                raise ValueError(f"{where} of the state_dict has {len(ids)} params, this optimizer's has {len(g.names)}")
+            if "param_names" in saved and list(saved["param_names"]) != g.names:
                 diff = next(a for a, b in zip(saved["param_names"], g.names) if a != b)
-                raise ValueError(f"param group {index}: the state_dict names a param {diff!r} this optimizer lacks")
-            shared = saved.get("shared_state", {})
-            leaves, spec = ps.tree_flatten_with_path(g.state)
-            out = []
-            for (path, cur), (kind, key) in zip(leaves, _layout(g.state, g.names)):
-                if kind == "shared":
-                    src = shared.get(key)
-                    where = f"param group {index} shared_state[{key!r}]"
-                else:
-                    src = saved_state.get(ids[g.names.index(kind)], {}).get(key)
-                    where = f"state[{ids[g.names.index(kind)]}][{key!r}] (param {kind!r})"
-                if not isinstance(src, Tensor):
-                    raise ValueError(f"state_dict has no tensor at {where}, which state leaf '{path}' needs")
-                if src.shape != cur.shape:
-                    raise ValueError(f"state_dict {where} has shape {tuple(src.shape)}, expected {tuple(cur.shape)}")
-                out.append(src.to(device=cur.device, dtype=cur.dtype, copy=True))
-            new_states.append(ps.tree_unflatten(out, spec))
-        for saved, group, g, state in zip(saved_groups, self.param_groups, self._groups, new_states):
-            g.state = state
-            for k, v in saved.items():
-                if k not in ("params", "param_names", "shared_state"):
-                    group[k] = v
-            # The state holds the values in use; a group value that differs is pushed next step.
-            g.pushed = _injected(state)
+                raise ValueError(f"{where}: the state_dict names a param {diff!r} this optimizer lacks")
+            if torch_layout == ("shared_state" in saved):
+                raise ValueError(_layout_mismatch(self.torch_class, where))
+            if torch_layout:
+                for key, value in g.static.items():
+                    if key in saved and not L.same(L.canonical(key, saved[key]), L.canonical(key, value)):
+                        raise ValueError(
+                            f"{where} of the state_dict has {key}={saved[key]!r}, this optimizer was built "
+                            f"with {key}={value!r}; build it with the same {key}"
+                        )
+                new_states.append(L.import_torch(g.state, g.names, ids, g.mirror, state_dict["state"], where))
+            else:
+                shared = saved["shared_state"]
+                new_states.append(L.import_generic(g.state, g.names, ids, state_dict["state"], shared, where))
+        for index, (saved, group, g, new) in enumerate(zip(saved_groups, self.param_groups, self._groups, new_states)):
+            g.state = new
+            g.refresh()
+            group.update({k: v for k, v in saved.items() if k not in ("params", "param_names", "shared_state")})
+            self._push(group, g, index)
 
 
 # --------------------------------------------------------------------------- #
 # Helpers.
 # --------------------------------------------------------------------------- #
+
+
+def _name(factory: Callable) -> str:
+    return f"ps.{getattr(factory, '__name__', repr(factory))}"
+
+
+def _is_plain(value: Any) -> bool:
+    """A value torch.save(weights_only=True) and a param group can hold."""
+    if isinstance(value, (tuple, list)):
+        return all(_is_plain(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
 
 
 def _changed(new: Any, old: Any) -> bool:
@@ -270,57 +385,40 @@ def _plain(value: Any) -> Any:
     return value.item() if isinstance(value, Tensor) else value
 
 
-def _injected(state: Any) -> dict[str, Any]:
-    """Hyperparameters held by `ps.inject_hyperparams` states, as plain values (unique names only)."""
-    found: dict[str, list[Any]] = {}
-
-    def walk(node: Any) -> None:
-        if isinstance(node, ps.InjectHyperparamsState):
-            for k, v in node.hyperparams.items():
-                found.setdefault(k, []).append(v)
-        if isinstance(node, dict):
-            children = node.values()
-        elif isinstance(node, (list, tuple)):
-            children = node
-        else:
-            return
-        for child in children:
-            walk(child)
-
-    walk(state)
-    return {k: _plain(v[0]) for k, v in found.items() if len(v) == 1}
+def _fill(target: Any, value: Any, where: str) -> None:
+    """Write `value` into the live hyperparameter tensor(s) `target`, in place."""
+    if isinstance(target, tuple):
+        if not isinstance(value, (tuple, list)) or len(value) != len(target):
+            raise ValueError(f"{where} must be a tuple of {len(target)} values, got {value!r}")
+        for t, v in zip(target, value):
+            _fill(t, v, where)
+    elif isinstance(value, Tensor):
+        target.copy_(value.detach().reshape(()))
+    else:
+        target.fill_(value)
 
 
-def _layout(state: Any, names: list[str]) -> list[tuple[str, str]]:
-    """For each state leaf: `(param name, buffer key)` when it belongs to one param, else
-    `("shared", path)`. Buffer keys take torch's names where they are unambiguous."""
-    raw, _ = pytree.tree_flatten_with_path(state)
-    dotted = [p for p, _ in ps.tree_flatten_with_path(state)[0]]
-    name_set = set(names)
-    out: list[tuple[str, str]] = []
-    for (keys, leaf), path in zip(raw, dotted):
-        if not isinstance(leaf, Tensor):
-            raise ValueError(f"optimizer state leaf '{path}' is {type(leaf).__name__}, not a tensor")
-        last = keys[-1] if keys else None
-        name = getattr(last, "key", None)
-        if isinstance(last, pytree.MappingKey) and name in name_set and len(keys) > 1:
-            field = path[: -len(name) - 1]
-            out.append((name, field))
-        else:
-            out.append(("shared", path))
-    # Short torch-style keys (exp_avg...) where the field name is unique for that param.
-    short: dict[tuple[str, str], int] = {}
-    for kind, field in out:
-        if kind != "shared":
-            leaf_field = field.rsplit(".", 1)[-1]
-            k = (kind, _TORCH_NAMES.get(leaf_field, leaf_field))
-            short[k] = short.get(k, 0) + 1
-    result = []
-    for kind, field in out:
-        if kind == "shared":
-            result.append((kind, field))
-            continue
-        leaf_field = field.rsplit(".", 1)[-1]
-        key = _TORCH_NAMES.get(leaf_field, leaf_field)
-        result.append((kind, key if short[(kind, key)] == 1 else field))
-    return result
+def _refuse_grads(names: list[str], grads: list[Tensor | None]) -> None:
+    missing = [n for n, gr in zip(names, grads) if gr is None]
+    if missing:
+        raise ValueError(
+            f"params {missing[:3]} have no grad while others in their group do; a purestep transform "
+            "updates a whole tree, so build the Optimizer from the params that train (e.g. "
+            "[p for p in model.parameters() if p.requires_grad]); a param re-created after the Optimizer "
+            "was built (model.w = nn.Parameter(...)) also shows up this way"
+        )
+    sparse = next(n for n, gr in zip(names, grads) if gr.is_sparse)
+    raise ValueError(f"param {sparse!r} has a sparse grad; purestep transforms need dense grads")
+
+
+def _layout_mismatch(torch_class: type | None, where: str) -> str:
+    if torch_class is None:
+        return (
+            f"{where} of the state_dict has torch.optim's layout (no 'shared_state'); this Optimizer runs a "
+            "built transform, whose state only loads from its own state_dict. Give Optimizer the factory "
+            "(Optimizer(params, ps.adamw, lr=...)) to read torch.optim's layout"
+        )
+    return (
+        f"{where} of the state_dict has purestep's generic layout ('shared_state'), but this Optimizer keeps "
+        f"{torch_class.__name__}'s; build it the same way as the one that saved it"
+    )

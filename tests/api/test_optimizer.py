@@ -289,3 +289,279 @@ def test_an_lr_scheduler_on_a_transform_without_injected_lr_says_how_to_fix_it()
     opt = Optimizer(make_model().parameters(), ps.adamw(1e-2))
     with pytest.raises(KeyError, match="inject_hyperparams"):
         torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+
+
+# --------------------------------------------------------------------------- #
+# torch.optim's state_dict layout: ours -> torch -> ours.
+# --------------------------------------------------------------------------- #
+
+
+def matrices_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8, bias=False), torch.nn.Tanh(), torch.nn.Linear(8, 3, bias=False)).double()
+
+
+MIRRORED = {
+    "sgd_dampening_decay": (ps.sgd, torch.optim.SGD, dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01)),
+    "sgd_nesterov": (ps.sgd, torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True)),
+    "sgd_plain": (ps.sgd, torch.optim.SGD, dict(lr=0.05)),
+    "adam": (ps.adam, torch.optim.Adam, dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)),
+    "adamw": (ps.adamw, torch.optim.AdamW, dict(lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1)),
+    "muon": (ps.muon, torch.optim.Muon, dict(lr=0.02, momentum=0.9, weight_decay=0.1)),
+}
+
+
+def through_bytes(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)  # tensors and plain values only
+
+
+def fresh_copy(model_fn, of: torch.nn.Module) -> torch.nn.Module:
+    model = model_fn(seed=99)  # other weights: everything comes from `of`
+    model.load_state_dict(of.state_dict())
+    return model
+
+
+@pytest.mark.parametrize("case", list(MIRRORED))
+def test_state_dict_goes_to_torch_and_back_and_the_run_continues_as_torchs(case):
+    """K steps ours -> K steps torch.optim -> K steps ours equals 3K steps of torch.optim:
+    to float64 rounding (1e-12) for SGD/Adam/AdamW; for Muon to the bf16 Newton-Schulz
+    tolerance of tests/core/test_muon.py (torch runs it in bf16, ours emulates it here)."""
+    factory, cls, kw = MIRRORED[case]
+    model_fn = matrices_model if cls.__name__ == "Muon" else make_model
+    k = 6
+    data = batches(3 * k)
+    straight = model_fn()
+    ref = cls(straight.parameters(), **kw)
+    train(straight, ref, data)
+
+    ours = model_fn()
+    opt = Optimizer(ours.parameters(), factory, **kw)
+    assert opt.torch_class is cls
+    train(ours, opt, data[:k])
+    theirs = fresh_copy(model_fn, ours)
+    mid = cls(theirs.parameters(), lr=123.0)  # every group value must come from the state_dict
+    mid.load_state_dict(through_bytes(opt.state_dict()))
+    assert mid.param_groups[0]["lr"] == kw["lr"]
+    train(theirs, mid, data[k : 2 * k])
+    back = fresh_copy(model_fn, theirs)
+    opt2 = Optimizer(back.parameters(), factory, **kw)
+    opt2.load_state_dict(through_bytes(mid.state_dict()))
+    train(back, opt2, data[2 * k :])
+
+    if cls.__name__ == "Muon":
+        for (name, p), q in zip(back.named_parameters(), straight.parameters()):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-2 * kw["lr"] * 2 * len(data), msg=name)
+    else:
+        assert_same_params(back, straight)
+    ours_sd, ref_sd = opt2.state_dict(), ref.state_dict()
+    assert ours_sd["param_groups"] == ref_sd["param_groups"]  # torch's keys, values and order
+    assert ours_sd["state"].keys() == ref_sd["state"].keys()
+    for i, entry in ref_sd["state"].items():
+        assert list(ours_sd["state"][i]) == list(entry), i  # torch's names, in torch's order
+        for name, value in entry.items():
+            assert value.dtype == ours_sd["state"][i][name].dtype, (i, name)
+            if cls.__name__ != "Muon":
+                torch.testing.assert_close(ours_sd["state"][i][name], value, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("case", ["sgd_dampening_decay", "adamw", "muon"])
+def test_a_round_trip_through_torch_is_lossless(case):
+    """ours -> torch -> ours with no torch step in between continues bit for bit."""
+    factory, cls, kw = MIRRORED[case]
+    model_fn = matrices_model if cls.__name__ == "Muon" else make_model
+    data = batches(8)
+    straight = model_fn()
+    opt = Optimizer(straight.parameters(), factory, **kw)
+    train(straight, opt, data)
+
+    first = model_fn()
+    opt1 = Optimizer(first.parameters(), factory, **kw)
+    train(first, opt1, data[:4])
+    mid = cls(fresh_copy(model_fn, first).parameters())
+    mid.load_state_dict(through_bytes(opt1.state_dict()))
+    resumed = fresh_copy(model_fn, first)
+    opt2 = Optimizer(resumed.parameters(), factory, **kw)
+    opt2.load_state_dict(through_bytes(mid.state_dict()))
+    train(resumed, opt2, data[4:])
+    assert_same_params(resumed, straight, exact=True)
+
+
+def test_torch_state_before_any_step_loads_as_a_fresh_state():
+    ours, theirs = make_model(), make_model()
+    ref = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+    opt = Optimizer(ours.parameters(), ps.adamw, lr=1e-2)
+    assert opt.state_dict()["state"] == ref.state_dict()["state"] == {}
+    opt.load_state_dict(ref.state_dict())
+    data = batches()
+    train(ours, opt, data)
+    train(theirs, ref, data)
+    assert_same_params(ours, theirs)
+
+
+def test_factory_groups_take_any_argument_per_group_as_torch():
+    ours, theirs = make_model(), make_model()
+    groups = lambda m: [  # noqa: E731
+        {"params": m[0].parameters(), "nesterov": True, "lr": 0.02},
+        {"params": m[2].parameters(), "weight_decay": 0.1},
+    ]
+    opt = Optimizer(groups(ours), ps.sgd, lr=0.05, momentum=0.9)
+    ref = torch.optim.SGD(groups(theirs), lr=0.05, momentum=0.9)
+    assert [g["nesterov"] for g in opt.param_groups] == [True, False]
+    train(ours, opt, batches())
+    train(theirs, ref, batches())
+    assert_same_params(ours, theirs)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=4)  # reads "momentum"
+    assert sched.get_last_lr()[0] == pytest.approx(0.004)
+
+
+def test_factory_arguments_torch_cannot_hold_are_refused_with_the_fix():
+    model = make_model()
+    with pytest.raises(ValueError, match="lr is a schedule.*lr_scheduler"):
+        Optimizer(model.parameters(), ps.adamw, lr=ps.cosine_schedule(1e-3, 10))
+    with pytest.raises(ValueError, match="mask=.*no AdamW equivalent.*built transform"):
+        Optimizer(model.parameters(), ps.adamw, lr=1e-3, mask=ps.decay_mask)
+    with pytest.raises(ValueError, match="decoupled_weight_decay=True, but ps.adam runs Adam's decoupled_weight_decay=False"):
+        Optimizer([{"params": model.parameters(), "decoupled_weight_decay": True}], ps.adam, lr=1e-3)
+    with pytest.raises(ValueError, match="param group 0 sets 'momentum', which neither ps.adamw nor AdamW takes"):
+        Optimizer([{"params": model.parameters(), "momentum": 0.9}], ps.adamw, lr=1e-3)
+    with pytest.raises(ValueError, match="Optimizer arguments for ps.adamw: .*'momentum'"):
+        Optimizer(model.parameters(), ps.adamw, lr=1e-3, momentum=0.9)
+    with pytest.raises(ValueError, match="go with a factory"):
+        Optimizer(model.parameters(), ps.adamw(1e-3), lr=1e-3)
+
+
+def test_a_structural_group_value_changed_later_is_refused():
+    model = make_model()
+    opt = Optimizer(model.parameters(), ps.sgd, lr=0.1, momentum=0.9)
+    opt.param_groups[0]["nesterov"] = True
+    loss_of(model, *batches(1)[0]).backward()
+    with pytest.raises(ValueError, match="nesterov=True, but its transform was built with nesterov=False"):
+        opt.step()
+
+
+def test_loading_a_torch_state_dict_that_does_not_fit_names_what():
+    model = make_model()
+    x, y = batches(1)[0]
+    ref = torch.optim.SGD(make_model().parameters(), lr=0.1, momentum=0.9, nesterov=True)
+    opt = Optimizer(model.parameters(), ps.sgd, lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match="nesterov=True, this optimizer was built with nesterov=False"):
+        opt.load_state_dict(ref.state_dict())
+
+    theirs = make_model()
+    ref = torch.optim.Adam(theirs.parameters(), lr=0.1)
+    loss_of(theirs, x, y).backward()
+    theirs[2].bias.grad = None  # torch steps that param one step less
+    ref.step()
+    opt = Optimizer(model.parameters(), ps.adam, lr=0.1)
+    with pytest.raises(ValueError, match=r"not for \['3'\].*steps each param on its own"):
+        opt.load_state_dict(ref.state_dict())
+    loss_of(theirs, x, y).backward()
+    ref.step()
+    with pytest.raises(ValueError, match="steps .*'0': 2.*'3': 1"):
+        opt.load_state_dict(ref.state_dict())
+
+    generic = Optimizer(make_model().parameters(), ps.adam(0.1))
+    with pytest.raises(ValueError, match="torch.optim's layout.*factory"):
+        generic.load_state_dict(ref.state_dict())
+    with pytest.raises(ValueError, match="generic layout.*keeps Adam's"):
+        opt.load_state_dict(generic.state_dict())
+
+
+# --------------------------------------------------------------------------- #
+# Grads, zero_grad, replaced params, the compiled path.
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_and_steps_without_backward_follow_torch(set_to_none):
+    """zero_grad(set_to_none=False) keeps zero grads, so a step without backward still
+    updates (Adam's momentum moves the params); with None grads the step is skipped."""
+    ours, theirs = make_model(), make_model()
+    opt = Optimizer(ours.parameters(), ps.adam, lr=1e-2)
+    ref = torch.optim.Adam(theirs.parameters(), lr=1e-2)
+    for i, (x, y) in enumerate(batches(6)):
+        for model, o in ((ours, opt), (theirs, ref)):
+            o.zero_grad(set_to_none=set_to_none)
+            if i % 2 == 0:
+                loss_of(model, x, y).backward()
+            o.step()
+        assert [p.grad is None for p in ours.parameters()] == [p.grad is None for p in theirs.parameters()]
+    assert_same_params(ours, theirs)
+    steps = {float(s["step"]) for s in ref.state_dict()["state"].values()}
+    assert steps == {float(s["step"]) for s in opt.state_dict()["state"].values()} == {6.0 if not set_to_none else 3.0}
+
+
+def test_a_param_whose_dtype_changed_after_construction_is_named():
+    model = make_model()
+    opt = Optimizer(model.named_parameters(), ps.adamw, lr=1e-2)
+    model.float()  # replaces each param's data with a float32 copy
+    loss_of(model, *(t.float() for t in batches(1)[0])).backward()
+    with pytest.raises(ValueError, match=r"param '0.weight' is now torch.float32 .* built for torch.float64.*model.to"):
+        opt.step()
+
+
+def test_a_compiled_group_refuses_a_param_with_new_storage():
+    model = make_model()
+    opt = Optimizer(model.named_parameters(), ps.adamw, lr=1e-2, compile=True)
+    with torch.no_grad():
+        model[2].bias.data = model[2].bias.data.clone()  # same values, new address
+    loss_of(model, *batches(1)[0]).backward()
+    with pytest.raises(ValueError, match=r"param '2.bias' has new storage.*p.copy_\(new\)"):
+        opt.step()  # raised before anything compiles
+
+
+def test_eager_groups_follow_a_param_with_new_storage_as_torch():
+    ours, theirs = make_model(), make_model()
+    opt = Optimizer(ours.parameters(), ps.adamw, lr=1e-2, compile=False)
+    ref = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+    for i, (x, y) in enumerate(batches()):
+        if i == 3:
+            for model in (ours, theirs):
+                model[0].weight.data = model[0].weight.data.clone()
+        for model, o in ((ours, opt), (theirs, ref)):
+            o.zero_grad()
+            loss_of(model, x, y).backward()
+            o.step()
+    assert_same_params(ours, theirs)
+
+
+def test_the_size_rule_picks_eager_for_small_groups_and_compile_for_large_ones():
+    from purestep.api.optimizer import AUTO_COMPILE_NUMEL
+
+    small = torch.nn.Parameter(torch.zeros(3))
+    large = torch.nn.Parameter(torch.zeros(AUTO_COMPILE_NUMEL))  # one group of each; nothing runs
+    opt = Optimizer([{"params": [small]}, {"params": [large]}], ps.sgd, lr=0.1)
+    assert [g.compiled for g in opt._groups] == [False, True]
+    assert Optimizer([large], ps.sgd, lr=0.1, compile=False)._groups[0].compiled is False
+
+
+def test_compiled_adapter_matches_torch_adamw_and_its_state_loads_into_torch():
+    ours, theirs = make_model(), make_model()
+    kw = dict(lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1)
+    opt = Optimizer(ours.parameters(), ps.adamw, compile=True, **kw)
+    ref = torch.optim.AdamW(theirs.parameters(), **kw)
+    sched, ref_sched = (torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=STEPS) for o in (opt, ref))
+    data = batches()
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for x, y in data[:1]:
+            for model, o, s in ((ours, opt, sched), (theirs, ref, ref_sched)):
+                o.zero_grad()
+                loss_of(model, x, y).backward()
+                with torch.compiler.set_stance("default"):  # the first step compiles
+                    o.step()
+                s.step()
+        for x, y in data[1:]:  # lr changes every step: no recompile
+            for model, o, s in ((ours, opt, sched), (theirs, ref, ref_sched)):
+                o.zero_grad()
+                loss_of(model, x, y).backward()
+                o.step()
+                s.step()
+    assert_same_params(ours, theirs)
+    sd = opt.state_dict()
+    assert sd["param_groups"] == ref.state_dict()["param_groups"]
+    for i, entry in ref.state_dict()["state"].items():
+        for name, value in entry.items():
+            torch.testing.assert_close(sd["state"][i][name], value, rtol=1e-12, atol=1e-15)

@@ -1,0 +1,294 @@
+"""How an `Optimizer`'s transform states appear in a `state_dict`.
+
+Two layouts. torch's, for the factories that mirror a torch.optim class (`ps.sgd`,
+`ps.adam`, `ps.adamw`, `ps.muon` given to `Optimizer` as a factory): per-param buffers
+under torch's names, torch's `step`, torch's param-group keys, so the dict loads into
+that class and back. The generic one, for any other transform: per-param buffers under
+torch-style names where one exists, everything a group shares under `"shared_state"`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, NamedTuple
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+import purestep.core as ps
+
+# (state class, field) -> the name torch.optim gives the same per-param buffer.
+BUFFER_NAMES = {
+    ("ScaleByAdamState", "mu"): "exp_avg",
+    ("ScaleByAdamState", "nu"): "exp_avg_sq",
+    ("ScaleByAdamState", "nu_max"): "max_exp_avg_sq",
+    ("ScaleByLionState", "mu"): "exp_avg",
+    ("TraceState", "trace"): "momentum_buffer",
+    ("ScaleByMuonState", "mu"): "momentum_buffer",
+}
+# torch.optim group keys that choose an implementation, not the math: kept, never checked.
+IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
+STRUCTURE_KEYS = ("params", "param_names")
+
+
+class Mirror(NamedTuple):
+    """A factory whose state and groups take a torch.optim class's layout."""
+
+    cls: type  # the torch.optim class
+    has_step: bool  # torch keeps a per-param `step` (Adam, AdamW); SGD and Muon do not
+    renames: dict[str, str]  # factory argument -> torch group key
+
+
+def mirrors() -> dict[Callable[..., ps.Transform], Mirror]:
+    """The factories with a torch.optim twin in this torch version."""
+    out = {
+        ps.sgd: Mirror(torch.optim.SGD, False, {}),
+        ps.adam: Mirror(torch.optim.Adam, True, {}),
+        ps.adamw: Mirror(torch.optim.AdamW, True, {}),
+    }
+    if hasattr(torch.optim, "Muon"):
+        out[ps.muon] = Mirror(torch.optim.Muon, False, {"adjust_lr": "adjust_lr_fn"})
+    return out
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal as group values: tuples and lists alike, numbers by value, bools and None by identity."""
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, bool) or isinstance(b, bool) or a is None or b is None:
+        return a is b
+    return a == b
+
+
+def canonical(key: str, value: Any) -> Any:
+    """One spelling per meaning: torch.optim.Muon's `adjust_lr_fn=None` is "original"."""
+    return "original" if key == "adjust_lr_fn" and value is None else value
+
+
+def torch_group(factory: Callable, mirror: Mirror, kwargs: dict[str, Any], where: str) -> dict[str, Any]:
+    """The param-group values `mirror.cls` keeps for `factory(**kwargs)`, checked to be
+    something torch runs (its own constructor validates the values)."""
+    accepted = inspect.signature(mirror.cls.__init__).parameters
+    ours = inspect.signature(factory).parameters
+    torch_kwargs = {}
+    for name, value in kwargs.items():
+        key = mirror.renames.get(name, name)
+        if key not in accepted:
+            # An argument torch lacks must leave the math as torch runs it: at its default.
+            if not same(value, ours[name].default):
+                raise ValueError(
+                    f"{where}: {name}={value!r} has no {mirror.cls.__name__} equivalent; leave it at "
+                    f"{ours[name].default!r}, or pass a built transform (Optimizer(params, "
+                    f"ps.{factory.__name__}(..., {name}=...))) for purestep's own state_dict layout"
+                )
+            continue
+        if callable(value):
+            raise ValueError(
+                f"{where}: {name} is a schedule, which {mirror.cls.__name__} cannot hold in a param group; "
+                "drive it with a torch.optim.lr_scheduler, or pass a built transform "
+                f"(Optimizer(params, ps.{factory.__name__}({name}=schedule)))"
+            )
+        if key == "ns_coefficients" and not (isinstance(value, (tuple, list)) and len(value) == 3):
+            raise ValueError(f"{where}: {mirror.cls.__name__} takes one (a, b, c) for ns_coefficients, got {value!r}")
+        torch_kwargs[key] = None if key == "adjust_lr_fn" and value == "original" else value  # torch's spelling
+    dummy = torch.zeros(2, 2, requires_grad=True)
+    return dict(mirror.cls([dummy], **torch_kwargs).defaults)
+
+
+def factory_kwargs(factory: Callable, mirror: Mirror | None, group: dict[str, Any], where: str) -> dict[str, Any]:
+    """The factory's arguments named by a param group (torch's names accepted)."""
+    params = inspect.signature(factory).parameters
+    back = {v: k for k, v in mirror.renames.items()} if mirror else {}
+    out = {}
+    for key, value in group.items():
+        if key in STRUCTURE_KEYS or (mirror and key in IMPLEMENTATION_KEYS):
+            continue
+        name = back.get(key, key)
+        if name in params:
+            out[name] = canonical(key, value)
+        elif mirror is None:
+            raise ValueError(f"{where} sets {key!r}, which ps.{factory.__name__} does not take")
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# Which state leaf is what.
+# --------------------------------------------------------------------------- #
+
+
+class Leaf(NamedTuple):
+    """The role of one state leaf in a param group's state."""
+
+    path: str  # dotted path in the state tree
+    kind: str  # "buffer" (one param's), "count", "hyperparam" or "other"
+    param: str | None = None  # the param a buffer belongs to
+    key: str = ""  # the buffer's name in the state_dict
+
+
+def _child(node: Any, key: Any) -> Any:
+    if isinstance(key, pytree.GetAttrKey):
+        return getattr(node, key.name)
+    if isinstance(key, pytree.MappingKey):
+        return node[key.key]
+    return node[key.idx]
+
+
+def classify(state: Any, names: list[str]) -> list[Leaf]:
+    """The role of every leaf of a group's state, in flatten order. A buffer's key is its
+    torch name (`exp_avg`...) when that is unique for its param, else its field path."""
+    raw, _ = pytree.tree_flatten_with_path(state)
+    paths = [p for p, _ in ps.tree_flatten_with_path(state)[0]]
+    name_set = set(names)
+    out: list[Leaf] = []
+    for (keys, leaf), path in zip(raw, paths):
+        if not isinstance(leaf, Tensor):
+            raise ValueError(f"optimizer state leaf '{path}' is {type(leaf).__name__}, not a tensor")
+        last = keys[-1] if keys else None
+        if any(isinstance(k, pytree.GetAttrKey) and k.name == "hyperparams" for k in keys):
+            out.append(Leaf(path, "hyperparam"))
+        elif isinstance(last, pytree.MappingKey) and last.key in name_set and len(keys) > 1:
+            owner = state
+            for k in keys[:-2]:
+                owner = _child(owner, k)
+            field = getattr(keys[-2], "name", None) or path[: -len(last.key) - 1]
+            out.append(Leaf(path, "buffer", last.key, BUFFER_NAMES.get((type(owner).__name__, field), field)))
+        elif isinstance(last, pytree.GetAttrKey) and last.name == "count":
+            out.append(Leaf(path, "count"))
+        else:
+            out.append(Leaf(path, "other"))
+    seen: dict[tuple[str, str], int] = {}
+    for leaf in out:
+        if leaf.kind == "buffer":
+            seen[(leaf.param, leaf.key)] = seen.get((leaf.param, leaf.key), 0) + 1
+    return [
+        leaf._replace(key=leaf.path[: -len(leaf.param) - 1])
+        if leaf.kind == "buffer" and seen[(leaf.param, leaf.key)] > 1
+        else leaf
+        for leaf in out
+    ]
+
+
+# --------------------------------------------------------------------------- #
+# torch's layout.
+# --------------------------------------------------------------------------- #
+
+
+def _scalar_dtype() -> torch.dtype:
+    # torch.optim keeps `step` as float32 (float64 when that is the default dtype), on the CPU.
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def check_torch_layout(state: Any, names: list[str], mirror: Mirror) -> None:
+    """Refuse a state `mirror.cls` has no place for (a factory that grew new state)."""
+    for leaf in classify(state, names):
+        if leaf.kind == "other" or (leaf.kind == "buffer" and "." in leaf.key):
+            raise ValueError(
+                f"state leaf '{leaf.path}' has no place in {mirror.cls.__name__}'s state_dict layout; "
+                "pass a built transform for purestep's own layout"
+            )
+
+
+def export_torch(state: Any, names: list[str], ids: list[int], mirror: Mirror, group: dict) -> dict[int, dict]:
+    """`{param index: {"step"?, buffers...}}` as `mirror.cls.state_dict()` has them; empty
+    before the first step, as in torch."""
+    leaves = classify(state, names)
+    values = pytree.tree_leaves(state)
+    count = next(v for leaf, v in zip(leaves, values) if leaf.kind == "count")
+    if int(count) == 0:  # a host sync, fine in a state_dict
+        return {}
+    if mirror.cls is torch.optim.SGD and group["momentum"] == 0:
+        return {}  # torch.optim.SGD keeps no buffer without momentum
+    step = count.detach().to(device="cpu", dtype=_scalar_dtype())
+    out = {i: {"step": step.clone()} if mirror.has_step else {} for i in ids}
+    for leaf, value in zip(leaves, values):
+        if leaf.kind == "buffer":
+            out[ids[names.index(leaf.param)]][leaf.key] = value
+    return out
+
+
+def import_torch(state: Any, names: list[str], ids: list[int], mirror: Mirror, saved: dict, where: str) -> Any:
+    """`state` with its buffers and counters taken from a torch.optim `state_dict()["state"]`."""
+    leaves = classify(state, names)
+    values, spec = pytree.tree_flatten(state)
+    per = [saved.get(i) or {} for i in ids]
+    have = [bool(entry) for entry in per]
+    if any(have) and not all(have):
+        missing = [n for n, h in zip(names, have) if not h]
+        raise ValueError(
+            f"{where}: the state_dict has state for some params but not for {missing[:3]}; torch.optim "
+            "steps each param on its own, a purestep group steps all its params together"
+        )
+    step = 0
+    if all(have) and names:
+        step = 1  # torch.optim.SGD and Muon keep no count: a buffer means at least one step
+        if mirror.has_step:
+            for n, i, entry in zip(names, ids, per):
+                if "step" not in entry:
+                    raise ValueError(f"{where}: state[{i}] (param {n!r}) has no 'step'")
+            steps = [int(torch.as_tensor(e["step"]).round()) for e in per]
+            if len(set(steps)) > 1:
+                raise ValueError(
+                    f"{where}: its params have steps {dict(zip(names, steps))}; a purestep group "
+                    "steps all its params together, so they need one step"
+                )
+            step = steps[0]
+    wanted = {(leaf.param, leaf.key) for leaf in leaves if leaf.kind == "buffer"}
+    for n, i, entry in zip(names, ids, per):
+        extra = [k for k in entry if (n, k) not in wanted and k != "step"]
+        if extra:
+            raise ValueError(f"{where}: state[{i}] (param {n!r}) has {extra}, which this optimizer keeps no place for")
+    out = []
+    for leaf, value in zip(leaves, values):
+        if leaf.kind == "count":
+            out.append(torch.full_like(value, step))
+        elif leaf.kind == "buffer" and step:
+            i = ids[names.index(leaf.param)]
+            src = per[names.index(leaf.param)].get(leaf.key)
+            out.append(checked_copy(src, value, f"{where}: state[{i}][{leaf.key!r}] (param {leaf.param!r})"))
+        elif leaf.kind == "buffer":
+            out.append(torch.zeros_like(value))
+        else:
+            out.append(value)
+    return pytree.tree_unflatten(out, spec)
+
+
+def checked_copy(src: Any, like: Tensor, where: str) -> Tensor:
+    """A copy of `src` on `like`'s device and dtype, after checking it is a tensor of its shape."""
+    if not isinstance(src, Tensor):
+        raise ValueError(f"{where} is missing (or not a tensor) in the state_dict")
+    if src.shape != like.shape:
+        raise ValueError(f"{where} has shape {tuple(src.shape)}, expected {tuple(like.shape)}")
+    return src.to(device=like.device, dtype=like.dtype, copy=True)
+
+
+# --------------------------------------------------------------------------- #
+# The generic layout.
+# --------------------------------------------------------------------------- #
+
+
+def export_generic(state: Any, names: list[str], ids: list[int]) -> tuple[dict[int, dict], dict[str, Tensor]]:
+    """Per-param buffers by param index, and the group's shared leaves by path."""
+    per: dict[int, dict[str, Tensor]] = {}
+    shared: dict[str, Tensor] = {}
+    for leaf, value in zip(classify(state, names), pytree.tree_leaves(state)):
+        if leaf.kind == "buffer":
+            per.setdefault(ids[names.index(leaf.param)], {})[leaf.key] = value
+        else:
+            shared[leaf.path] = value
+    return per, shared
+
+
+def import_generic(state: Any, names: list[str], ids: list[int], saved: dict, shared: dict, where: str) -> Any:
+    """`state` with every leaf taken from a generic-layout state_dict."""
+    values, spec = pytree.tree_flatten(state)
+    out = []
+    for leaf, value in zip(classify(state, names), values):
+        if leaf.kind == "buffer":
+            i = ids[names.index(leaf.param)]
+            src = saved.get(i, {}).get(leaf.key)
+            at = f"{where}: state[{i}][{leaf.key!r}] (param {leaf.param!r})"
+        else:
+            src, at = shared.get(leaf.path), f"{where}: shared_state[{leaf.path!r}]"
+        out.append(checked_copy(src, value, f"{at}, which state leaf '{leaf.path}' needs,"))
+    return pytree.tree_unflatten(out, spec)

@@ -266,7 +266,8 @@ def make_update(
             tr.check_match(grads, params, "grads", "params")
             if not _plain_leaves(params) or not packed.plans(params):
                 packed = None  # this transform or these leaves stay on the per-leaf path
-        (packed or inner)(params, grads, opt_state, *ema_state)
+        with torch.no_grad():  # a donated update is never differentiated: record no graph
+            (packed or inner)(params, grads, opt_state, *ema_state)
         return (params, opt_state, *ema_state)
 
     def layout() -> dict[str, list[str]] | None:

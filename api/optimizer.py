@@ -34,8 +34,9 @@ class _Group:
         self.names = names
         self.compiled = compiled
         self.update = ps.make_update(transform, compile=compiled, donate=True)
-        # The params as the update sees them: detached views, kept while their storage is.
-        self.tree = dict(zip(names, (p.detach() for p in params)))
+        # The params themselves, not detached aliases: a compiled update re-points the
+        # tensors it is given into its flat buffers, and the model must follow.
+        self.tree = dict(zip(names, params))
         self.addresses = [p.data_ptr() for p in params]
         self.meta = [(p.shape, p.dtype, p.device) for p in params]
         with torch.no_grad():
@@ -49,26 +50,16 @@ class _Group:
         self.hyper = ps.get_hyperparams(self.state)  # key -> the live 0-d tensor(s)
         self.pushed = {k: _plain(v) for k, v in self.hyper.items()}  # key -> value in the state
 
-    def rebind(self, params: list[Tensor]) -> None:
-        """Follow params whose storage changed, as torch.optim does; refuse what the state or a
-        compiled update cannot follow."""
-        for i, (n, p) in enumerate(zip(self.names, params)):
-            if p.data_ptr() == self.addresses[i]:
-                continue
-            shape, dtype, device = self.meta[i]
-            if (p.shape, p.dtype, p.device) != self.meta[i]:
+    def moved(self, params: list[Tensor]) -> None:
+        """Params whose storage changed (model.to(...), p.data = ..., a compiled update's
+        flat buffers): fine unless their shape, dtype or device changed under the state."""
+        for n, p, (shape, dtype, device) in zip(self.names, params, self.meta):
+            if (p.shape, p.dtype, p.device) != (shape, dtype, device):
                 raise ValueError(
                     f"param {n!r} is now {p.dtype} {tuple(p.shape)} on {p.device}, but the Optimizer was built "
                     f"for {dtype} {tuple(shape)} on {device}; build the Optimizer after model.to(...)/.half()"
                 )
-            if self.compiled:
-                raise ValueError(
-                    f"param {n!r} has new storage (p.data = ... or a re-created tensor) since the Optimizer "
-                    "was built; its compiled update keeps params at fixed addresses: copy new values in "
-                    "(with torch.no_grad(): p.copy_(new)) or build a new Optimizer"
-                )
-            self.tree[n] = p.detach()
-            self.addresses[i] = p.data_ptr()
+        self.addresses = [p.data_ptr() for p in params]
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -96,7 +87,11 @@ class Optimizer(torch.optim.Optimizer):
     How it runs: each group's update is `ps.make_update(transform, compile=..., donate=True)`,
     writing params and state in place. `compile=None` compiles a group of at least
     `AUTO_COMPILE_NUMEL` (4M) elements and runs smaller ones eagerly; the first compiled step
-    costs the compile (tens of seconds on a CPU, see the README), later ones run fused kernels.
+    costs the compile (tens of seconds on a CPU, see the README), later ones run fused kernels
+    over flat buffers: the params, their grads and the state are re-pointed into a few
+    contiguous buffers (see `ps.make_update`), so after `zero_grad(set_to_none=False)` a
+    backward writes straight into the update's grad buffer; with the default
+    `set_to_none=True` each step first copies the fresh grads in.
 
     Args:
       params: `model.parameters()`, `model.named_parameters()`, or param-group dicts
@@ -112,9 +107,10 @@ class Optimizer(torch.optim.Optimizer):
         grad and others have `None` raises, since a pure transform cannot skip a leaf.
         Build the optimizer from the trainable params only. A param's shape, dtype and
         device must stay as they were at construction (build the optimizer after
-        `model.to(...)`), and a compiled group's params keep their storage: replacing
-        `p.data` raises at the next step (copy into it instead). As in torch.optim,
-        `state_dict()` returns references to the live state tensors.
+        `model.to(...)`); its storage may change (`p.data = ...`) as in torch.optim, but in
+        a compiled group that makes the next step re-bind the flat buffers and compile
+        again: copy new values in instead (`p.copy_(new)` under `torch.no_grad()`). As in
+        torch.optim, `state_dict()` returns references to the live state tensors.
 
     Example:
         >>> import torch, purestep.core as ps
@@ -289,7 +285,7 @@ class Optimizer(torch.optim.Optimizer):
             if missing or any(gr.is_sparse for gr in grads):
                 _refuse_grads(g.names, grads)
             if [p.data_ptr() for p in params] != g.addresses:
-                g.rebind(params)
+                g.moved(params)
             self._push(group, g, index)
             g.state = g.update(g.tree, dict(zip(g.names, grads)), g.state)[1]
         return loss

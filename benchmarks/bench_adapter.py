@@ -41,7 +41,7 @@ def contenders(numel: int, n: int, device: torch.device, raw: bool):
     def torch_params() -> list[torch.nn.Parameter]:
         params = [torch.nn.Parameter(t) for t in make_leaves(numel, n, device, seed=0)]
         for p, g in zip(params, grads):
-            p.grad = g
+            p.grad = g.clone()  # its own: a compiled update re-points the grads it is given
         return params
 
     fns, first = {}, {}
@@ -55,7 +55,7 @@ def contenders(numel: int, n: int, device: torch.device, raw: bool):
     if raw:
         names = [f"p{i}" for i in range(n)]
         params = dict(zip(names, make_leaves(numel, n, device, seed=0)))
-        tree = dict(zip(names, grads))
+        tree = dict(zip(names, (g.clone() for g in grads)))
         transform = ps.adamw(LR, betas=BETAS, eps=EPS, weight_decay=WD)
         state = transform.init(params)
         update = ps.make_update(transform, compile=True, donate=True)

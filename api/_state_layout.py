@@ -22,7 +22,9 @@ import purestep.core as ps
 BUFFER_NAMES = {
     ("ScaleByAdamState", "mu"): "exp_avg",
     ("ScaleByAdamState", "nu"): "exp_avg_sq",
-    ("ScaleByAdamState", "nu_max"): "max_exp_avg_sq",
+    ("ScaleByAmsgradState", "mu"): "exp_avg",
+    ("ScaleByAmsgradState", "nu"): "exp_avg_sq",
+    ("ScaleByAmsgradState", "nu_max"): "max_exp_avg_sq",
     ("ScaleByLionState", "mu"): "exp_avg",
     ("TraceState", "trace"): "momentum_buffer",
     ("ScaleByMuonState", "mu"): "momentum_buffer",

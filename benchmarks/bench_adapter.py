@@ -9,8 +9,9 @@ Contenders, timed round-robin (warm-up, then the median of `--reps` steps):
 - `adapter default`: `Optimizer(params, ps.adamw, lr=...)` as constructed with no `compile`
   argument: at this size it compiles (`AUTO_COMPILE_NUMEL`); its first step is timed apart.
 - `adapter eager`: the same with `compile=False`.
-- `make_update compiled`: `ps.make_update(ps.adamw(...), compile=True, donate=True)` on the
-  same tensors without the adapter, so the adapter's own overhead shows (`--no-raw` skips it).
+- `make_update compiled`: `ps.make_update(ps.inject_hyperparams(ps.adamw)(...), compile=True,
+  donate=True)`, the update the adapter runs, called on plain tensors without the adapter,
+  so the adapter's own overhead shows (`--no-raw` skips it).
 
 Prints ms per step, each contender's time over fused and over foreach, achieved GB/s
 against the 28 bytes per param an fp32 AdamW step moves, and the first (compiling) step.
@@ -56,7 +57,7 @@ def contenders(numel: int, n: int, device: torch.device, raw: bool):
         names = [f"p{i}" for i in range(n)]
         params = dict(zip(names, make_leaves(numel, n, device, seed=0)))
         tree = dict(zip(names, (g.clone() for g in grads)))
-        transform = ps.adamw(LR, betas=BETAS, eps=EPS, weight_decay=WD)
+        transform = ps.inject_hyperparams(ps.adamw)(LR, betas=BETAS, eps=EPS, weight_decay=WD)  # as the adapter runs it
         state = transform.init(params)
         update = ps.make_update(transform, compile=True, donate=True)
         first["make_update compiled"] = C.first_call(lambda: update(params, tree, state), device)

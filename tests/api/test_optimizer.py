@@ -304,9 +304,11 @@ def matrices_model(seed: int = 0) -> torch.nn.Module:
 MIRRORED = {
     "sgd_dampening_decay": (ps.sgd, torch.optim.SGD, dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01)),
     "sgd_nesterov": (ps.sgd, torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True)),
-    "sgd_plain": (ps.sgd, torch.optim.SGD, dict(lr=0.05)),
+    "sgd_plain_maximize": (ps.sgd, torch.optim.SGD, dict(lr=0.05, maximize=True)),
     "adam": (ps.adam, torch.optim.Adam, dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)),
+    "adam_amsgrad_maximize": (ps.adam, torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1, amsgrad=True, maximize=True)),
     "adamw": (ps.adamw, torch.optim.AdamW, dict(lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1)),
+    "adamw_amsgrad": (ps.adamw, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, amsgrad=True)),
     "muon": (ps.muon, torch.optim.Muon, dict(lr=0.02, momentum=0.9, weight_decay=0.1)),
 }
 
@@ -367,7 +369,7 @@ def test_state_dict_goes_to_torch_and_back_and_the_run_continues_as_torchs(case)
                 torch.testing.assert_close(ours_sd["state"][i][name], value, rtol=1e-12, atol=1e-15)
 
 
-@pytest.mark.parametrize("case", ["sgd_dampening_decay", "adamw", "muon"])
+@pytest.mark.parametrize("case", ["sgd_dampening_decay", "adamw_amsgrad", "muon"])
 def test_a_round_trip_through_torch_is_lossless(case):
     """ours -> torch -> ours with no torch step in between continues bit for bit."""
     factory, cls, kw = MIRRORED[case]

@@ -314,13 +314,16 @@ def load_moments(
     return gs, wide, xs
 
 
-def moment_keys(count: Tensor, n: int, rounding: str) -> list[Tensor] | None:
-    """The stochastic-rounding keys of `n` leaves at update `count` (None to round to nearest).
+def moment_keys(count: Tensor, rounding: str, *moments: Any) -> list[Tensor] | None:
+    """The stochastic-rounding keys of the leaves of `moments` (trees like the params) at
+    update `count`; None when nothing is rounded stochastically (nearest, or no narrow leaf).
 
     A block computes them once and passes them to every `store_moments` call, so a first
     and a second moment of one leaf share one per-element hash (compiled, it is computed once).
     """
-    return [leaf_key(count, i) for i in range(n)] if rounding == "stochastic" else None
+    stored = [pytree.tree_leaves(m, is_leaf=_is_quantized) for m in moments]
+    narrow = any(_is_quantized(m) or m.dtype in _NARROW for leaves in stored for m in leaves)
+    return [leaf_key(count, i) for i in range(len(stored[0]))] if rounding == "stochastic" and narrow else None
 
 
 def store_moments(xs: list[Tensor], moments: Any, keys: list[Tensor] | None, *, second: bool = False) -> Any:

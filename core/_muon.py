@@ -257,7 +257,7 @@ def scale_by_muon(
         src = tr.cast_like(tr.ema(wide, mu, 1.0 - beta), wide) if nesterov else mu
         ortho = orthogonalize_leaves(src, coefficients, safety, eps, ns_dtype, emulate_bf16)
         out = tr.cast_like([o * _lr_ratio(o.shape, adjust_lr) for o in ortho], gs)
-        stored = lp.store_moments(mu, state.mu, lp.moment_keys(state.count, len(mu), rounding))
+        stored = lp.store_moments(mu, state.mu, lp.moment_keys(state.count, rounding, state.mu))
         return pytree.tree_unflatten(out, spec), ScaleByMuonState(state.count + 1, stored)
 
     return Transform(init, update)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from . import _flat
 from . import _tree as tr
 from ._base import Params, Transform, leaf_device, zero_count
 
@@ -263,6 +264,10 @@ def init_moments(params: Params, dtype: torch.dtype | None) -> Params:
     moment: g² underflows below 6e-8), which gets float32. An fp8 dtype stores
     `QuantizedTensor`s, and leaves under `MIN_QUANTIZED_SIZE` elements in float32.
     """
+    if dtype in _FP8 and _flat.is_packed(params):
+        # Blocks would straddle the leaves of a flat buffer, and a per-block scale cannot
+        # be viewed per leaf: `make_update` then keeps this transform on its per-leaf path.
+        raise _flat.Regroup.unsupported("8-bit block-quantized state is laid out per leaf")
 
     def zeros(p: Tensor) -> Any:
         if not p.is_floating_point():
@@ -309,13 +314,16 @@ def load_moments(
     return gs, wide, xs
 
 
-def moment_keys(count: Tensor, n: int, rounding: str) -> list[Tensor] | None:
-    """The stochastic-rounding keys of `n` leaves at update `count` (None to round to nearest).
+def moment_keys(count: Tensor, rounding: str, *moments: Any) -> list[Tensor] | None:
+    """The stochastic-rounding keys of the leaves of `moments` (trees like the params) at
+    update `count`; None when nothing is rounded stochastically (nearest, or no narrow leaf).
 
     A block computes them once and passes them to every `store_moments` call, so a first
     and a second moment of one leaf share one per-element hash (compiled, it is computed once).
     """
-    return [leaf_key(count, i) for i in range(n)] if rounding == "stochastic" else None
+    stored = [pytree.tree_leaves(m, is_leaf=_is_quantized) for m in moments]
+    narrow = any(_is_quantized(m) or m.dtype in _NARROW for leaves in stored for m in leaves)
+    return [leaf_key(count, i) for i in range(len(stored[0]))] if rounding == "stochastic" and narrow else None
 
 
 def store_moments(xs: list[Tensor], moments: Any, keys: list[Tensor] | None, *, second: bool = False) -> Any:

@@ -143,7 +143,7 @@ def trace(
             new = tr.axpy(m, ts, wide)
         new = tr.cast_like(new, wide)
         out = tr.cast_like(tr.axpy(m, new, wide) if nesterov else new, gs)
-        stored = lp.store_moments(new, state.trace, lp.moment_keys(state.count, len(new), rounding))
+        stored = lp.store_moments(new, state.trace, lp.moment_keys(state.count, rounding, state.trace))
         return pytree.tree_unflatten(out, spec), TraceState(state.count + 1, stored)
 
     return Transform(init, update)
@@ -223,7 +223,7 @@ def scale_by_adam(
             denom = tr.add_scalar_(denom, eps_root)
         denom = tr.add_scalar_(tr.sqrt_(denom), eps)
         out = tr.cast_like(tr.mul_(tr.div_into_(mu, denom), 1.0 / bc1), gs)
-        keys = lp.moment_keys(state.count, len(mu), rounding)
+        keys = lp.moment_keys(state.count, rounding, state.mu, state.nu)  # ν_max is stored like ν
         new_state = ScaleByAdamState(
             state.count + 1, lp.store_moments(mu, state.mu, keys), lp.store_moments(nu, state.nu, keys, second=True)
         )
@@ -264,7 +264,7 @@ def scale_by_lion(
         beta1, beta2 = resolve(b1, state.count), resolve(b2, state.count)
         out = tr.cast_like(tr.sign(tr.ema(mu, wide, beta1)), gs)
         mu = tr.cast_like(tr.ema(mu, wide, beta2), wide)
-        stored = lp.store_moments(mu, state.mu, lp.moment_keys(state.count, len(mu), rounding))
+        stored = lp.store_moments(mu, state.mu, lp.moment_keys(state.count, rounding, state.mu))
         return pytree.tree_unflatten(out, spec), ScaleByLionState(state.count + 1, stored)
 
     return Transform(init, update)

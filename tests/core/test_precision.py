@@ -374,3 +374,21 @@ def test_float16_adamw_is_the_float32_step_rounded_back():
     assert ps.tree_get(state, "nu")["w"].dtype == torch.float32  # float16 cannot hold g²
     # Equal up to the rounding of the update itself to float16 before it is added.
     torch.testing.assert_close(ours["w"].float(), ref["w"].detach(), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP8], ids=["bf16", "8bit"])
+def test_compiled_donated_update_with_narrow_moments_tracks_eager(dtype):
+    # bf16 moments run on make_update's flat buffers; 8-bit ones (per-leaf blocks) on its per-leaf path.
+    opt = ps.adamw(1e-2, mu_dtype=dtype, nu_dtype=dtype)
+    params = {"w": torch.randn(64, 80), "v": torch.randn(80, 64)}
+    grads = _grads(params, 4)
+    eager, _ = _run(opt, params, grads)
+    p = {k: v.clone() for k, v in params.items()}
+    state = opt.init(p)
+    update = ps.make_update(opt, compile=True, donate=True)
+    for g in grads:
+        update(p, g, state)
+    assert isinstance(ps.tree_get(state, "mu")["w"], ps.QuantizedTensor if dtype == FP8 else torch.Tensor)
+    for k in params:
+        moved = (eager[k] - params[k]).abs().mean()
+        assert (p[k] - eager[k]).abs().mean() < 0.02 * moved

@@ -294,3 +294,17 @@ def import_generic(state: Any, names: list[str], ids: list[int], saved: dict, sh
             src, at = shared.get(leaf.path), f"{where}: shared_state[{leaf.path!r}]"
         out.append(checked_copy(src, value, f"{at}, which state leaf '{leaf.path}' needs,"))
     return pytree.tree_unflatten(out, spec)
+
+
+def layout_mismatch(torch_class: type | None, where: str) -> str:
+    """Why a state_dict of the other layout does not load here, and what to do."""
+    if torch_class is None:
+        return (
+            f"{where} of the state_dict has torch.optim's layout (no 'shared_state'); this Optimizer runs a "
+            "built transform, whose state only loads from its own state_dict. Give Optimizer the factory "
+            "(Optimizer(params, ps.adamw, lr=...)) to read torch.optim's layout"
+        )
+    return (
+        f"{where} of the state_dict has purestep's generic layout ('shared_state'), but this Optimizer keeps "
+        f"{torch_class.__name__}'s; build it the same way as the one that saved it"
+    )

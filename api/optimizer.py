@@ -332,7 +332,7 @@ class Optimizer(torch.optim.Optimizer):
                 diff = next(a for a, b in zip(saved["param_names"], g.names) if a != b)
                 raise ValueError(f"{where}: the state_dict names a param {diff!r} this optimizer lacks")
             if torch_layout == ("shared_state" in saved):
-                raise ValueError(_layout_mismatch(self.torch_class, where))
+                raise ValueError(L.layout_mismatch(self.torch_class, where))
             if torch_layout:
                 for key, value in g.static.items():
                     if key in saved and not L.same(L.canonical(key, saved[key]), L.canonical(key, value)):
@@ -405,16 +405,3 @@ def _refuse_grads(names: list[str], grads: list[Tensor | None]) -> None:
         )
     sparse = next(n for n, gr in zip(names, grads) if gr.is_sparse)
     raise ValueError(f"param {sparse!r} has a sparse grad; purestep transforms need dense grads")
-
-
-def _layout_mismatch(torch_class: type | None, where: str) -> str:
-    if torch_class is None:
-        return (
-            f"{where} of the state_dict has torch.optim's layout (no 'shared_state'); this Optimizer runs a "
-            "built transform, whose state only loads from its own state_dict. Give Optimizer the factory "
-            "(Optimizer(params, ps.adamw, lr=...)) to read torch.optim's layout"
-        )
-    return (
-        f"{where} of the state_dict has purestep's generic layout ('shared_state'), but this Optimizer keeps "
-        f"{torch_class.__name__}'s; build it the same way as the one that saved it"
-    )

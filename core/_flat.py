@@ -389,10 +389,7 @@ class FlatUpdate:
             trees = [pytree.tree_unflatten(x, sp) for x, sp in zip((p, g, s, e), specs)]
             out = pure(trees[0], trees[1], trees[2], trees[3] if averaging is not None else None)
             for dst, src in zip((p, s, e), out):
-                new = pytree.tree_leaves(src)
-                pairs = [(d, n) for d, n in zip(dst, new) if isinstance(d, Tensor) and d is not n]
-                if pairs:
-                    torch._foreach_copy_([d for d, _ in pairs], [n for _, n in pairs])
+                _write_back(dst, src)
 
         return _compile_own(step, self.options.get(device.type, {}))
 
@@ -439,6 +436,14 @@ class FlatUpdate:
             b["ema"] = ema_state
 
 
+def _write_back(dst: Any, src: Any) -> None:
+    """Inside a compiled step: the new leaves of `src` into the buffers of `dst` (inductor
+    turns these copies into stores of the fused kernel)."""
+    pairs = [(d, n) for d, n in zip(pytree.tree_leaves(dst), pytree.tree_leaves(src)) if isinstance(d, Tensor) and d is not n]
+    if pairs:
+        torch._foreach_copy_([d for d, _ in pairs], [n for _, n in pairs])
+
+
 def _compile_own(fn: Callable, options: dict) -> Callable:
     # Dynamo keeps compiled graphs per code object (8 at most): each step is its own
     # program, so it gets its own code object rather than evicting the others'.
@@ -481,10 +486,7 @@ class FlatStep(FlatUpdate):
             params, state = pytree.tree_unflatten(p, p_spec), pytree.tree_unflatten(s, s_spec)
             new_params, new_state, metrics, new_buffers = pure(params, state, batch, buffers, with_buffers)
             for dst, src in ((p, new_params), (s, new_state)) + (((buffers, new_buffers),) if with_buffers else ()):
-                d_leaves, n_leaves = pytree.tree_leaves(dst), pytree.tree_leaves(src)
-                pairs = [(d, n) for d, n in zip(d_leaves, n_leaves) if isinstance(d, Tensor) and d is not n]
-                if pairs:
-                    torch._foreach_copy_([d for d, _ in pairs], [n for _, n in pairs])
+                _write_back(dst, src)
             return metrics
 
         return _compile_own(step, self.options.get(device.type, {}))

@@ -8,7 +8,9 @@ math does not care where one tensor ends and the next begins, so `make_update` w
 
     group = the leaves that share device, dtype and every per-leaf rule of the transform
             (mask values, partition labels, per-leaf multipliers); a leaf that needs
-            per-leaf math (Muon's orthogonalization, trust ratios, AGC) is a group alone
+            per-leaf math (trust ratios, AGC) is a group alone, and per-matrix math that
+            batches (Muon's orthogonalization) takes same-shape leaves as one *stack*,
+            a buffer of shape (k, *shape)
 
 The transform sees a `Packed` tree: a dict `group key -> buffer` that also records which
 leaves each buffer holds, so `masked`, `partition` and `scale_per_leaf` resolve their
@@ -57,15 +59,25 @@ class _Group:
     members: tuple[_Member, ...]
     dtype: torch.dtype
     device: torch.device
+    stacked: bool = False  # same-shape members asked for as one (k, *shape) stack
 
     @property
     def numel(self) -> int:
         return sum(m.numel for m in self.members)
 
     @property
+    def is_stack(self) -> bool:
+        return self.stacked and len(self.members) > 1
+
+    @property
     def shape(self) -> torch.Size:
-        """The shape the transform sees: a lone leaf keeps its own, a buffer of several is 1-D."""
-        return self.members[0].shape if len(self.members) == 1 else torch.Size([self.numel])
+        """The shape the transform sees: a lone leaf keeps its own, a stack is (k, *shape),
+        any other buffer of several is 1-D."""
+        if len(self.members) == 1:
+            return self.members[0].shape
+        if self.is_stack:
+            return torch.Size([len(self.members), *self.members[0].shape])
+        return torch.Size([self.numel])
 
     def views(self, buffer: Tensor) -> list[Tensor]:
         """Each member's view into `buffer` (a tensor of this group's shape)."""
@@ -143,7 +155,7 @@ def pack_like(packed: Packed, tree: Any) -> Packed:
     values = []
     for group in packed.pack_spec.groups:
         parts = [by_index[m.index] for m in group.members]
-        values.append(parts[0] if len(parts) == 1 else torch.cat([x.reshape(-1) for x in parts]))
+        values.append(parts[0] if len(parts) == 1 else torch.cat([x.reshape(-1) for x in parts]).view(group.shape))
     return Packed(packed.pack_spec, values)
 
 
@@ -213,11 +225,28 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def need_whole_leaves(tree: Any) -> None:
+def need_whole_leaves(tree: Any, *, stacks: bool = False) -> None:
     """Called by transforms with per-leaf math (norms, matrix functions) on their input:
-    under a packed layout every leaf they see must be a group of its own."""
-    if isinstance(tree, Packed) and any(len(g.members) > 1 for g in tree.pack_spec.groups):
-        raise Regroup({m.index: ("alone", m.index) for m in tree.pack_spec.members_in_order})
+    under a packed layout every leaf they see must be a group of its own or, with
+    `stacks=True` (math batched over a leading dim, see `stacked_leaves`), a stack of
+    same-shape leaves."""
+    if not isinstance(tree, Packed):
+        return
+    groups = tree.pack_spec.groups
+    if any(len(g.members) > 1 and not (stacks and g.is_stack) for g in groups):
+        tag = (lambda m: (_STACK, tuple(m.shape))) if stacks else (lambda m: ("alone", m.index))
+        raise Regroup({m.index: tag(m) for m in tree.pack_spec.members_in_order})
+
+
+def stacked_leaves(tree: Any) -> list[bool]:
+    """Per leaf of `tree` (flatten order): whether it is a stack, a (k, *shape) buffer of
+    k same-shape leaves whose per-leaf math runs batched over its first dim."""
+    if isinstance(tree, Packed):
+        return [g.is_stack for g in tree.pack_spec.groups]
+    return [False] * len(pytree.tree_leaves(tree))
+
+
+_STACK = "stack"  # the tag kind that makes a group a stack
 
 
 # --------------------------------------------------------------------------- #
@@ -239,7 +268,8 @@ def _layout(leaves: list[tuple[str, Tensor]], tags: list[tuple]) -> list[_Group]
             members.append(_Member(i, path, leaf.shape, offset))
             offset += leaf.numel()
         first = leaves[indices[0]][1]
-        groups.append(_Group(f"group{n}", tuple(members), first.dtype, first.device))
+        stacked = any(isinstance(t, tuple) and t[:1] == (_STACK,) for t in key[2])
+        groups.append(_Group(f"group{n}", tuple(members), first.dtype, first.device, stacked))
     return groups
 
 

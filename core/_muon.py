@@ -109,12 +109,6 @@ def _cpu_has_bf16_matmul() -> bool:
 CPU_BF16_MATMUL = _cpu_has_bf16_matmul()
 
 
-def _as_wide_matrix(g: Tensor) -> tuple[Tensor, bool]:
-    """`g` as a (rows, cols) matrix with rows <= cols, and whether it was transposed."""
-    m = g.reshape(g.shape[0], -1)
-    return (m.mT, True) if m.shape[0] > m.shape[1] else (m, False)
-
-
 def orthogonalize_leaves(
     xs: list[Tensor],
     coefficients: list[tuple[float, float, float]],
@@ -122,27 +116,32 @@ def orthogonalize_leaves(
     eps: float,
     dtype: torch.dtype,
     emulate_bf16: bool | None = None,
+    stacked: list[bool] | None = None,
 ) -> list[Tensor]:
-    """Each leaf (≥ 2-D, seen as shape[0] × prod(rest)) orthogonalized; same-shape matrices
-    share one batched matmul per iteration. Results come back in each leaf's dtype.
-    `emulate_bf16` as `scale_by_muon`'s (None: on CPUs without bf16 matmul units)."""
-    groups: dict[tuple, list[int]] = {}
-    mats: list[Tensor] = []
+    """Each leaf (≥ 2-D, seen as shape[0] × prod(rest)) orthogonalized; a leaf marked in
+    `stacked` is k such matrices, (k, *shape) (see `_flat.stacked_leaves`). Matrices of one
+    shape (or its transpose) share one batched matmul per iteration; results come back in
+    each leaf's shape and dtype. `emulate_bf16` as `scale_by_muon`'s (None: on CPUs without
+    bf16 matmul units)."""
+    stacked = stacked or [False] * len(xs)
+    mats: list[Tensor] = []  # each (k, rows, cols) with rows <= cols
     flipped: list[bool] = []
-    for i, x in enumerate(xs):
-        m, t = _as_wide_matrix(x)
-        mats.append(m)
-        flipped.append(t)
-        groups.setdefault((tuple(m.shape), m.device), []).append(i)
+    groups: dict[tuple, list[int]] = {}
+    for i, (x, is_stack) in enumerate(zip(xs, stacked)):
+        m = x.reshape(x.shape[0], x.shape[1], -1) if is_stack else x.reshape(1, x.shape[0], -1)
+        flipped.append(m.shape[1] > m.shape[2])
+        mats.append(m.mT if flipped[-1] else m)
+        groups.setdefault((tuple(mats[-1].shape[1:]), m.device), []).append(i)
     out: list[Tensor | None] = [None] * len(xs)
     for (_, device), idx in groups.items():
-        batch = torch.stack([mats[i].to(dtype) for i in idx])  # (N, rows, cols)
+        parts = [mats[i].to(dtype) for i in idx]
+        batch = parts[0] if len(parts) == 1 else torch.cat(parts)  # (N, rows, cols)
         round_to = None
         emulate = emulate_bf16 if emulate_bf16 is not None else device.type == "cpu" and not CPU_BF16_MATMUL
         if dtype == torch.bfloat16 and emulate:
             batch, round_to = batch.float(), dtype
         result = _orthogonalize_batch(batch, coefficients, safety, eps, round_to)
-        for i, o in zip(idx, result.unbind(0)):
+        for i, o in zip(idx, result.split([mats[i].shape[0] for i in idx])):
             o = o.mT if flipped[i] else o
             out[i] = o.reshape(xs[i].shape).to(xs[i].dtype)
     return out  # type: ignore[return-value]
@@ -241,7 +240,7 @@ def scale_by_muon(
         )
 
     def init(params: Params) -> ScaleByMuonState:
-        _flat.need_whole_leaves(params)  # per-matrix math: each matrix alone under flat buffers
+        _flat.need_whole_leaves(params, stacks=True)  # per-matrix math: same-shape matrices stacked
         _check_matrices(params, "params")
         leaves = pytree.tree_leaves(params)
         return ScaleByMuonState(zero_count(leaf_device(leaves)), lp.init_moments(params, mu_dtype))
@@ -255,8 +254,10 @@ def scale_by_muon(
         mu = tr.cast_like(tr.ema(mu, wide, beta), wide)
         # m̃ = (1-β)·g + β·m with nesterov, else m
         src = tr.cast_like(tr.ema(wide, mu, 1.0 - beta), wide) if nesterov else mu
-        ortho = orthogonalize_leaves(src, coefficients, safety, eps, ns_dtype, emulate_bf16)
-        out = tr.cast_like([o * _lr_ratio(o.shape, adjust_lr) for o in ortho], gs)
+        stacked = _flat.stacked_leaves(grads)
+        ortho = orthogonalize_leaves(src, coefficients, safety, eps, ns_dtype, emulate_bf16, stacked)
+        shapes = [o.shape[1:] if k else o.shape for o, k in zip(ortho, stacked)]
+        out = tr.cast_like([o * _lr_ratio(s, adjust_lr) for o, s in zip(ortho, shapes)], gs)
         stored = lp.store_moments(mu, state.mu, lp.moment_keys(state.count, rounding, state.mu))
         return pytree.tree_unflatten(out, spec), ScaleByMuonState(state.count + 1, stored)
 

@@ -202,3 +202,38 @@ def test_flat_make_step_matches_the_pure_step(device):
     assert_trees_close((params, state), (ref_params, ref_state), rtol=1e-4, atol=1e-5)
     for name, p in net.named_parameters():  # the module follows its flat params
         assert torch.equal(p.detach(), params[name])
+
+
+def _transformer(layers: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"wte.weight": (11, 8), "ln_f.weight": (8,)}
+    for i in range(layers):
+        shapes |= {f"h.{i}.attn.w": (8, 24), f"h.{i}.proj.w": (8, 8), f"h.{i}.mlp.w": (32, 8), f"h.{i}.ln.weight": (8,)}
+    return {k: torch.randn(s, generator=g, dtype=torch.float64) for k, s in shapes.items()}
+
+
+def test_muon_takes_same_shape_matrices_as_one_stack():
+    from purestep.core import _flat
+
+    muon = ps.muon_adamw(lr=0.02, ns_dtype=torch.float64)
+    for layers in (2, 6):  # the groups follow the shapes, not the matrix count
+        spec = _flat.plan(muon, _transformer(layers, 0))
+        stacks = sorted(tuple(g.shape) for g in spec.groups if g.is_stack)
+        assert stacks == [(layers, 8, 8), (layers, 8, 24), (layers, 32, 8)], stacks
+        assert len(spec.groups) == 4  # the three stacks and one AdamW buffer
+    # A transform whose per-leaf math does not batch splits the stacks into lone matrices.
+    lamb_after = ps.chain(ps.scale_by_muon(ns_dtype=torch.float64), ps.scale_by_trust_ratio())
+    spec = _flat.plan(lamb_after, {k: v for k, v in _transformer(2, 0).items() if v.dim() == 2})
+    assert all(len(g.members) == 1 and not g.is_stack for g in spec.groups)
+
+
+def test_flat_muon_on_stacks_matches_the_per_leaf_update():
+    opt = ps.muon_adamw(lr=0.02, weight_decay=0.1, ns_dtype=torch.float64)
+    p_ref, p = _transformer(3, 0), _transformer(3, 0)
+    s_ref, s = opt.init(p_ref), opt.init(p)
+    ref, fast = ps.make_update(opt), ps.make_update(opt, compile=True, donate=True)
+    for k in range(3):
+        p_ref, s_ref = ref(p_ref, _transformer(3, 10 + k), s_ref)[:2]
+        fast(p, _transformer(3, 10 + k), s)
+    assert_trees_close((p, s), (p_ref, s_ref), rtol=1e-10, atol=1e-12)
+    assert sorted(len(v) for v in fast.layout().values()) == [3, 3, 3, 5]

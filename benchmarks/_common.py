@@ -34,6 +34,16 @@ def first_call(fn: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - t
 
 
+def warm_compiler(device: torch.device) -> None:
+    """Compile and run one tiny elementwise and one matmul function, so that the one-time
+    costs of a process (imports, the C++/Triton toolchain, thread pools) are not charged to
+    the first contender timed."""
+    x = torch.randn(4, 4, device=device)
+    torch.compile(lambda a: (a * 2 + 1).sin() @ a, fullgraph=True)(x)
+    sync(device)
+    torch._dynamo.reset()
+
+
 def interleaved(fns: dict[str, Callable[[], object]], device: torch.device, *, warmup: int = 3, reps: int = 20) -> dict[str, float]:
     """Median seconds per call of each contender, measured round-robin so that load
     from other processes hits every contender alike."""

@@ -83,6 +83,7 @@ def main() -> None:
     device = torch.device(args.device)
     counts = [int(x) for x in args.tensors.split(",")]
     rows, firsts = [], {}
+    C.warm_compiler(device)
     for n in counts:
         row = {}
         contenders = [("purestep flat", lambda: ours(int(args.numel), n, device, True, args.optimizer, args.dim))]

@@ -109,8 +109,13 @@ def _unit_dims(x: Tensor, axis: int | tuple[int, ...] | None) -> tuple[int, ...]
     return tuple(range(1, x.dim()))  # torch layout: one unit per output channel (dim 0)
 
 
-def _unit_norm(x: Tensor, axis: int | tuple[int, ...] | None) -> Tensor:
-    dims = _unit_dims(x, axis)
+def _unit_norm(x: Tensor, axis: int | tuple[int, ...] | None, stack: bool = False) -> Tensor:
+    """Unit-wise norms of `x`, or of each member of a (k, *shape) stack (flat buffers)."""
+    dims = _unit_dims(x[0] if stack else x, axis)
+    if stack:  # the member's dims, one further right
+        if dims is None:
+            return torch.linalg.vector_norm(x, dim=tuple(range(1, x.dim())), keepdim=True).expand(x.shape) if x.dim() > 1 else x.abs()
+        return torch.linalg.vector_norm(x, dim=tuple(d + 1 if d >= 0 else d for d in dims), keepdim=True)
     if dims is None:
         return torch.linalg.vector_norm(x).expand(x.shape) if x.dim() else torch.linalg.vector_norm(x)
     return torch.linalg.vector_norm(x, dim=dims, keepdim=True)
@@ -156,13 +161,13 @@ def adaptive_clip(clipping: float = 0.01, eps: float = 1e-3, *, axis: int | tupl
     def update(grads, state, params=None, **extra):
         if params is None:
             raise ValueError("adaptive_clip needs params: call update(grads, state, params)")
-        _flat.need_whole_leaves(grads)  # per-leaf norms: each leaf alone under flat buffers
+        _flat.need_whole_leaves(grads, stacks=True)  # per-unit norms: same-shape leaves stacked
         ps_ = tr.check_match(params, grads, "params", "grads", dtype=False)
         gs, spec = pytree.tree_flatten(grads)
         out = []
-        for g, p in zip(gs, ps_):
-            g_norm = _unit_norm(g, axis)
-            max_norm = clipping * torch.clamp(_unit_norm(p, axis).to(g_norm.dtype), min=eps)
+        for g, p, stack in zip(gs, ps_, _flat.stacked_leaves(grads)):
+            g_norm = _unit_norm(g, axis, stack)
+            max_norm = clipping * torch.clamp(_unit_norm(p, axis, stack).to(g_norm.dtype), min=eps)
             clipped = g * (max_norm / torch.clamp(g_norm, min=1e-6))
             out.append(torch.where(g_norm < max_norm, g, clipped).to(g.dtype))
         return pytree.tree_unflatten(out, spec), state

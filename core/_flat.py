@@ -8,15 +8,17 @@ math does not care where one tensor ends and the next begins, so `make_update` w
 
     group = the leaves that share device, dtype and every per-leaf rule of the transform
             (mask values, partition labels, per-leaf multipliers); a leaf that needs
-            per-leaf math (trust ratios, AGC) is a group alone, and per-matrix math that
-            batches (Muon's orthogonalization) takes same-shape leaves as one *stack*,
-            a buffer of shape (k, *shape)
+            per-leaf math takes same-shape leaves as one *stack*, a buffer of shape
+            (k, *shape) its math runs batched over (Muon's orthogonalization, trust
+            ratios, AGC), or, if its math cannot batch, is a group alone
 
 The transform sees a `Packed` tree: a dict `group key -> buffer` that also records which
 leaves each buffer holds, so `masked`, `partition` and `scale_per_leaf` resolve their
 per-leaf rules on the original leaf names and shapes, and ask for a finer grouping when a
 group is not uniform (`Regroup`). The grouping is planned once, by running `init` and
-`update` on tiny stand-in tensors until no rule asks for a split.
+`update` on tiny stand-in tensors until no rule asks for a split; then one update on small
+random stand-ins, packed and per leaf, must agree (a transform that reduces per leaf
+without saying so keeps the per-leaf path).
 
 The user's tensors (params, state, grads) are re-pointed (`Tensor.set_`) to views into
 the buffers, so the trees the user holds, checkpoints and reads stay the same objects
@@ -292,12 +294,57 @@ def plan(transform: Any, params: Any, *, max_rounds: int = 8) -> PackSpec:
             state = transform.init(fake)
             _, state = transform.update(fake, state, fake)
             _check_viewable(state, fake)
-            return pack
         except Regroup as e:
             if e.reason is not None or not e.tags:
                 raise
             tags = [t + (e.tags.get(i),) for i, t in enumerate(tags)]
+            continue
+        _check_packed_equals_per_leaf(transform, leaves, spec, tags)
+        return pack
     raise Regroup.unsupported(f"no stable grouping after {max_rounds} rounds")
+
+
+def _check_packed_equals_per_leaf(transform: Any, leaves: list[tuple[str, Tensor]], spec: pytree.TreeSpec, tags: list[tuple]) -> None:
+    """One update on small random stand-ins (each dim at most 3; every leaf its own offset
+    and scale, so per-leaf statistics differ), packed and per leaf: the results must agree.
+    A transform with per-leaf math that does not say so (a norm per leaf in a user's own
+    transform) disagrees, and keeps the per-leaf path instead of mixing leaves silently."""
+    gen = torch.Generator().manual_seed(0)
+
+    def stand_ins(seed: int) -> list[tuple[str, Tensor]]:
+        gen.manual_seed(seed)
+        out = []
+        for i, (path, x) in enumerate(leaves):
+            shape = tuple(min(d, 3) for d in x.shape)
+            value = torch.randn(shape, generator=gen, dtype=torch.float64) * (1 + i % 3) + (i % 5 - 2)
+            out.append((path, value.to(x.dtype)))
+        return out
+
+    small_p, small_g = stand_ins(1), stand_ins(2)
+    meta = [torch.empty(x.shape, dtype=x.dtype, device="meta") for _, x in small_p]
+    same_devices = [t + (str(x.device),) for t, (_, x) in zip(tags, leaves)]  # stand-ins live on the CPU
+    shell = Packed(PackSpec(_layout(small_p, same_devices), spec, meta), [])
+    trees = [pytree.tree_unflatten([x for _, x in t], spec) for t in (small_p, small_g)]
+    packed = [pack_like(shell, t) for t in trees]
+    with torch.no_grad():
+        u_packed, s_packed = transform.update(packed[1], transform.init(packed[0]), packed[0])
+        u_leaf, s_leaf = transform.update(trees[1], transform.init(trees[0]), trees[0])
+    unpack = lambda t: pytree.tree_map(lambda x: x.unpack() if is_packed(x) else x, t, is_leaf=is_packed)  # noqa: E731
+    got, want = pytree.tree_leaves(unpack((u_packed, s_packed))), pytree.tree_leaves((u_leaf, s_leaf))
+    same = len(got) == len(want) and all(_close(a, b) for a, b in zip(got, want))
+    if not same:
+        raise Regroup.unsupported("the transform gives other results on packed buffers than per leaf")
+
+
+def _close(a: Any, b: Any) -> bool:
+    if not isinstance(a, Tensor) or not isinstance(b, Tensor):
+        return a == b
+    if a.shape != b.shape:
+        return False
+    if not a.is_floating_point():
+        return bool(torch.equal(a, b))
+    # Loose: stochastic rounding may draw other bits per position; mixing leaves is far off.
+    return bool(torch.allclose(a.double(), b.double(), rtol=2e-2, atol=1e-4, equal_nan=True))
 
 
 def _check_viewable(state: Any, fake: Packed) -> None:

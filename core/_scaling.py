@@ -282,11 +282,12 @@ def scale_by_trust_ratio(*, min_norm: float = 0.0, trust_coefficient: float = 1.
     def update(grads, state, params=None, **extra):
         if params is None:
             raise ValueError("scale_by_trust_ratio needs params: call update(grads, state, params)")
-        _flat.need_whole_leaves(grads)  # per-leaf norms: each leaf alone under flat buffers
+        _flat.need_whole_leaves(grads, stacks=True)  # per-leaf norms: same-shape leaves stacked
         ps_ = tr.check_match(params, grads, "params", "grads", dtype=False)
         us, spec = pytree.tree_flatten(grads)
-        p_norm = [torch.clamp(n, min=min_norm) for n in tr.norms(ps_)]
-        u_norm = [torch.clamp(n, min=min_norm) for n in tr.norms(us)]
+        stacked = _flat.stacked_leaves(grads)
+        p_norm = [torch.clamp(n, min=min_norm) for n in tr.member_norms(ps_, stacked)]
+        u_norm = [torch.clamp(n, min=min_norm) for n in tr.member_norms(us, stacked)]
         ratios = [
             torch.where((pn == 0) | (un == 0), torch.ones_like(pn), trust_coefficient * pn / (un + eps))
             for pn, un in zip(p_norm, u_norm)

@@ -208,8 +208,9 @@ def make_update(
     Flat buffers (`compile=True, donate=True, flat=True`): on the first call the params,
     the optimizer state (and EMA) move into one contiguous buffer per group of leaves
     that share device, dtype and the transform's per-leaf rules (mask values, partition
-    labels, `scale_per_leaf` multipliers; a leaf that needs per-leaf math, as Muon's
-    matrices and trust ratios, is a group alone), and the compiled update runs on those
+    labels, `scale_per_leaf` multipliers; leaves that need per-leaf math, as Muon's
+    matrices and trust ratios, form one (k, *shape) stack per shape; a transform whose
+    results differ packed keeps the per-leaf path), and the compiled update runs on those
     buffers: kernels and compile time grow with the number of groups, not of tensors. On
     CUDA the step is then replayed as one CUDA graph. The tensors you passed stay the
     same objects holding the same values, re-pointed (`Tensor.set_`) into the buffers:

@@ -514,6 +514,16 @@ def norms(xs: list[Tensor]) -> list[Tensor]:
     return [torch.linalg.vector_norm(x) for x in xs]
 
 
+def member_norms(xs: list[Tensor], stacked: list[bool]) -> list[Tensor]:
+    """`norms`, where a leaf marked in `stacked` (a (k, *shape) stack of k leaves under flat
+    buffers) gives its members' norms shaped (k, 1, ...), to broadcast against it."""
+    out = dict(zip((i for i, s in enumerate(stacked) if not s), norms([x for x, s in zip(xs, stacked) if not s])))
+    for i, (x, s) in enumerate(zip(xs, stacked)):
+        if s:
+            out[i] = torch.linalg.vector_norm(x, dim=tuple(range(1, x.dim())), keepdim=True) if x.dim() > 1 else x.abs()
+    return [out[i] for i in range(len(xs))]
+
+
 def global_norm(xs: list[Tensor]) -> Tensor:
     """‖(x₁, …, xₙ)‖₂ as one 0-d tensor, accumulated in float32 at least."""
     if not xs:

@@ -70,7 +70,19 @@ def test_groups_follow_masks_and_per_leaf_math():
     assert len(groups) == 2
     assert all(all(p.endswith(".w") for p in g) or all(not p.endswith(".w") or "." not in p for p in g) for g in groups)
     _, _, fast = _run(ps.lamb(1e-2), n_steps=1)
-    assert all(len(v) == 1 for v in fast.layout().values()), "trust ratios need each leaf alone"
+    shapes = {k: {tuple(_tree(2, 0)[p].shape) for p in v} for k, v in fast.layout().items()}
+    assert all(len(v) == 1 for v in shapes.values()), f"trust ratios need same-shape stacks: {shapes}"
+
+
+def test_a_transform_with_undeclared_per_leaf_math_keeps_the_per_leaf_path():
+    from purestep.core import _flat
+
+    def normalize() -> ps.Transform:  # a user's transform: one norm per leaf
+        return ps.Transform(lambda p: (), lambda g, s, p=None, **e: (ps.tree_map(lambda x: x / x.norm(), g), s))
+
+    with pytest.raises(_flat.Regroup, match="other results on packed buffers"):
+        _flat.plan(ps.chain(normalize(), ps.sgd(0.1)), _tree(2, 0))
+    assert len(_flat.plan(ps.chain(ps.clip_by_global_norm(1.0), ps.sgd(0.1)), _tree(2, 0)).groups) == 1
 
 
 def test_state_leaves_alias_the_buffers_and_new_state_trees_are_taken_in():
@@ -221,10 +233,17 @@ def test_muon_takes_same_shape_matrices_as_one_stack():
         stacks = sorted(tuple(g.shape) for g in spec.groups if g.is_stack)
         assert stacks == [(layers, 8, 8), (layers, 8, 24), (layers, 32, 8)], stacks
         assert len(spec.groups) == 4  # the three stacks and one AdamW buffer
-    # A transform whose per-leaf math does not batch splits the stacks into lone matrices.
-    lamb_after = ps.chain(ps.scale_by_muon(ns_dtype=torch.float64), ps.scale_by_trust_ratio())
-    spec = _flat.plan(lamb_after, {k: v for k, v in _transformer(2, 0).items() if v.dim() == 2})
-    assert all(len(g.members) == 1 and not g.is_stack for g in spec.groups)
+    # Per-leaf math that does not batch splits the stacks into lone matrices.
+    def per_leaf() -> ps.Transform:
+        def update(g, s, p=None, **extra):
+            _flat.need_whole_leaves(g)
+            return g, s
+
+        return ps.Transform(lambda p: (), update)
+
+    matrices = {k: v for k, v in _transformer(2, 0).items() if v.dim() == 2}
+    spec = _flat.plan(ps.chain(ps.scale_by_muon(ns_dtype=torch.float64), per_leaf()), matrices)
+    assert len(spec.groups) == len(matrices) and not any(g.is_stack for g in spec.groups)
 
 
 def test_flat_muon_on_stacks_matches_the_per_leaf_update():

@@ -135,8 +135,10 @@ def trace(
         spec = pytree.tree_structure(grads)
         m = resolve(decay, state.count)
         if isinstance(dampening, Tensor) or dampening != 0:
-            # torch.optim.SGD: the first buffer is the grad itself, undamped.
-            first = (state.count == 0).to(torch.float64)
+            # torch.optim.SGD: the first buffer is the grad itself, undamped; with momentum
+            # 0 (an injected or scheduled one) there is no buffer: the update is g.
+            first = (state.count == 0) | (torch.as_tensor(m) == 0)
+            first = first.to(torch.float64)
             g_coef = first + (1.0 - first) * (1.0 - dampening)
             new = tr.lincomb(m, ts, g_coef, wide)
         else:

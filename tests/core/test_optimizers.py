@@ -91,6 +91,19 @@ def test_sgd_matches_torch_sgd(kwargs):
             torch.testing.assert_close(ps.tree_get(state, "trace")[k], buf, rtol=RTOL, atol=1e-12)
 
 
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_injected_sgd_matches_torch_sgd_with_dampening(momentum):
+    # An injected momentum is a tensor, so the buffer always exists; at momentum 0 the
+    # update must still be the plain grad, as torch's (dampening applies to a buffer only).
+    kwargs = dict(lr=0.05, momentum=momentum, dampening=0.5)
+    params = make_params()
+    grads = grad_stream(params)
+    ours, _ = run_purestep(ps.inject_hyperparams(ps.sgd)(**kwargs), params, grads)
+    theirs, _ = run_torch(lambda t: torch.optim.SGD(t.values(), **kwargs), params, grads)
+    assert_histories_close(ours, theirs)
+    assert_moved(ours, params)
+
+
 ADAM_CASES = [
     dict(lr=1e-2),
     dict(lr=1e-2, weight_decay=0.1),

@@ -157,16 +157,16 @@ def _lr_metric(opt_state: OptState) -> Tensor | None:
 # Inductor inlines 0-d scalar math (bias corrections, schedules) into every element's
 # loop; realizing any reused expression of more than a few ops computes it once instead
 # (on CPU an inlined `pow` per vector made the AdamW step ~10x slower).
-_INDUCTOR_OPTIONS = {"realize_opcount_threshold": 4}
+_INDUCTOR_OPTIONS: dict[str, Any] = {"realize_opcount_threshold": 4}
+# torch < 2.12 asserts in `ForeachKernelSchedulerNode.reorder_loops_by_dep_pair` when foreach
+# ops meet per-tensor reductions over tensors of several shapes, as in Muon's graph on CUDA
+# (pytorch/pytorch#176591, fixed by #176849): loop reordering after fusion stays off there.
+if torch.__version__ < "2.12":
+    _INDUCTOR_OPTIONS["loop_ordering_after_fusion"] = False
 # Per device type, for the flat-buffer path. On CUDA too the scalar math must be realized
 # once: inlined into a 100M-element kernel, float64 `pow`s per element made the step
-# compute-bound (0.5 ms at 10M, 37% of bandwidth at 100M on an H100). Loop reordering
-# after fusion is off: inductor (torch 2.11) asserts in `reorder_loops_by_dep_pair` on
-# Muon's Newton-Schulz graph, and elementwise buffers have one loop order anyway.
-_FLAT_OPTIONS = {
-    "cpu": _INDUCTOR_OPTIONS,
-    "cuda": {**_INDUCTOR_OPTIONS, "loop_ordering_after_fusion": False},
-}
+# compute-bound (0.5 ms at 10M, 37% of bandwidth at 100M on an H100).
+_FLAT_OPTIONS = {"cpu": _INDUCTOR_OPTIONS, "cuda": _INDUCTOR_OPTIONS}
 
 
 def _maybe_compile(fn: Callable, compile: bool) -> Callable:

@@ -139,7 +139,9 @@ def _copy_into(dst_tree: PyTree, src_tree: PyTree, what: str) -> None:
     if not pairs:
         return
     with torch.no_grad():
-        if tr.use_foreach([d for d, _ in pairs]):
+        # DTensor (FSDP2 params) has no sharding rule for `_foreach_copy_`: copy leaf by leaf.
+        plain = all(type(d) in (Tensor, torch.nn.Parameter) for d, _ in pairs)
+        if plain and tr.use_foreach([d for d, _ in pairs]):
             torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
         else:
             for d, s in pairs:

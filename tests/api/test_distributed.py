@@ -152,3 +152,44 @@ def test_more_ranks_per_node_than_gpus_fails_in_one_line_naming_both_counts(monk
         assert len(str(e.value).splitlines()) == 1
     with pytest.raises(ValueError, match=r"device cuda:3 asked for, but this node has 1 GPU\(s\)"):
         D.setup("ddp", "cuda:3")
+
+
+FSDP2_EAGER_DONATED = """
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+import purestep.core as ps
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+ref = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+model.load_state_dict(ref.state_dict())
+fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+opt = ps.adamw(1e-2, weight_decay=0.1)
+params = {k: p.detach() for k, p in model.named_parameters()}
+ref_params = {k: p.detach() for k, p in ref.named_parameters()}  # plain tensors, the module's own storage
+state, ref_state = opt.init(params), opt.init(ref_params)
+update = ps.make_update(opt, donate=True)
+for _ in range(3):
+    x = torch.randn(3, 4)
+    model(x).sum().backward()
+    ref(x).sum().backward()
+    update(params, {k: p.grad for k, p in model.named_parameters()}, state)
+    update(ref_params, {k: p.grad for k, p in ref.named_parameters()}, ref_state)
+    model.zero_grad()
+    ref.zero_grad()
+for k, p in model.named_parameters():
+    torch.testing.assert_close(p.full_tensor(), ref_params[k])
+print("ok")
+"""
+
+
+def test_eager_donated_update_runs_on_fsdp2_params(tmp_path):
+    # DTensor has no sharding rule for _foreach_copy_: the donated write-back goes leaf by leaf.
+    script = tmp_path / "eager_donated.py"
+    script.write_text(FSDP2_EAGER_DONATED)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", str(script)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]

@@ -146,6 +146,50 @@ def _copy_into(dst_tree: PyTree, src_tree: PyTree, what: str) -> None:
                 d.copy_(s)
 
 
+def _storages(*trees: Any) -> set[int]:
+    """The addresses of the storages behind every tensor leaf of `trees`."""
+    return {x.untyped_storage().data_ptr() for t in trees for x in pytree.tree_leaves(t) if isinstance(x, Tensor)}
+
+
+def _adopt_into(dst_tree: PyTree, src_tree: PyTree, what: str, taken: set[int]) -> None:
+    """Donation without copies: each `dst` leaf takes over the storage of its new value
+    (`Tensor.set_`), so the tensor objects stay the same and nothing is copied.
+
+    A new value is adopted only when it is a tensor of the same dtype, device, shape and
+    strides whose storage nothing else uses: not a storage in `taken` (the grads, params,
+    old state: a state that kept the caller's grad would otherwise alias it from then
+    on), nor one adopted already. Anything else is copied, as `_copy_into` does.
+    """
+    dst, dst_spec = pytree.tree_flatten(dst_tree)
+    src, src_spec = pytree.tree_flatten(src_tree)
+    if dst_spec != src_spec:
+        raise ValueError(
+            f"donate=True needs the new {what} structured like the old one; the transform changed "
+            f"{dst_spec} into {src_spec}"
+        )
+    copies = []
+    for d, s in zip(dst, src):
+        if not isinstance(d, Tensor) or d is s:
+            continue
+        ptr = s.untyped_storage().data_ptr() if isinstance(s, Tensor) else None
+        same = (
+            ptr is not None
+            and ptr not in taken
+            and type(d) is Tensor
+            and type(s) is Tensor
+            and (d.dtype, d.device, d.shape, d.stride()) == (s.dtype, s.device, s.shape, s.stride())
+            and s.storage_offset() == 0
+            and s.untyped_storage().nbytes() == d.untyped_storage().nbytes()
+        )
+        if same:
+            taken.add(ptr)
+            d.set_(s)
+        else:
+            copies.append((d, s))
+    if copies:
+        _copy_into([d for d, _ in copies], [s for _, s in copies], what)
+
+
 def _lr_metric(opt_state: OptState) -> Tensor | None:
     """The lr the step used, when exactly one injected hyperparameter is called `lr`."""
     found = [hp["lr"] for _, hp in tr.find_all(opt_state, "hyperparams") if isinstance(hp, dict) and "lr" in hp]
@@ -252,7 +296,20 @@ def make_update(
         if averaging is not None:
             _copy_into(ema_state, out[2], "ema_state")
 
-    inner = _maybe_compile(in_place if donate else pure, compile)
+    def eager_in_place(params, grads, opt_state, ema_state=None):
+        # Uncompiled donation: p += u in place (one pass, no new params), and the state
+        # leaves adopt the storage of their new values instead of copying them back.
+        tr.check_match(grads, params, "grads", "params")
+        updates, new_state = optimizer.update(grads, opt_state, params)
+        tr.apply_updates_(params, updates)
+        del updates
+        taken = _storages(params, grads, opt_state, ema_state)
+        _adopt_into(opt_state, new_state, "opt_state", taken)
+        if averaging is not None:
+            _adopt_into(ema_state, averaging[1](ema_state, params), "ema_state", taken)
+
+    inner = pure if not donate else in_place if compile else eager_in_place
+    inner = _maybe_compile(inner, compile)
     packed = _flat.FlatUpdate(optimizer, pure, averaging, _FLAT_OPTIONS) if compile and donate and flat else None
 
     def update(params: Params, grads: PyTree, opt_state: OptState, *ema_state: Any) -> tuple:

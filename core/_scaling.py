@@ -220,20 +220,22 @@ def scale_by_adam(
         return ScaleByAdamState(zero_count(leaf_device(leaves)), mu, nu)
 
     def update(grads, state, params=None, **extra):
-        gs, wide, mu = lp.load_moments(grads, state.mu, params)
-        nu = lp.load_moments(grads, state.nu, second=True)[2]
-        spec = pytree.tree_structure(grads)
         beta1, beta2 = resolve(b1, state.count), resolve(b2, state.count)
         # Bias corrections: 0-d float64, computed once per step, not per element.
         t = (state.count + 1).to(torch.float64)
         bc1 = 1.0 - beta1**t
         bc2 = 1.0 - beta2**t
-        if not amsgrad and not eps_root and tr.leafwise(wide, beta1, beta2, eps):
-            mu, nu, out = _adam_leafwise(wide, mu, nu, beta1, beta2, bc1, bc2, eps)
-            out = tr.cast_like(out, gs)
-        else:
-            nu_max = state.nu_max if amsgrad else None
-            mu, nu, out = _adam_foreach(grads, gs, wide, mu, nu, beta1, beta2, bc1, bc2, eps, eps_root, nu_max)
+        plain = None if amsgrad or eps_root else _plain_moments(grads, state.mu, state.nu, params)
+        if plain is not None and tr.leafwise(plain[0], beta1, beta2, eps):
+            gs, mu, nu, spec = plain
+            mu, nu, out = _adam_leafwise(gs, mu, nu, beta1, beta2, bc1, bc2, eps)
+            mu, nu = pytree.tree_unflatten(mu, spec), pytree.tree_unflatten(nu, spec)
+            return pytree.tree_unflatten(out, spec), ScaleByAdamState(state.count + 1, mu, nu)
+        gs, wide, mu = lp.load_moments(grads, state.mu, params)
+        nu = lp.load_moments(grads, state.nu, second=True)[2]
+        spec = pytree.tree_structure(grads)
+        nu_max = state.nu_max if amsgrad else None
+        mu, nu, out = _adam_foreach(grads, gs, wide, mu, nu, beta1, beta2, bc1, bc2, eps, eps_root, nu_max)
         keys = lp.moment_keys(state.count, rounding, state.mu, state.nu)  # ν_max is stored like ν
         new_state = ScaleByAdamState(
             state.count + 1, lp.store_moments(mu, state.mu, keys), lp.store_moments(nu, state.nu, keys, second=True)
@@ -246,6 +248,28 @@ def scale_by_adam(
     return Transform(init, update)
 
 
+def _plain_moments(grads, mu, nu, params):
+    """`(grads, μ, ν, spec)` as leaf lists when they (and `params`) match leaf for leaf with
+    nothing to convert: plain float32 or float64 tensors, one dtype and shape per leaf. Else
+    None, and the caller takes the general path (`lp.load_moments`, which names a mismatch).
+    Three flattens instead of the general path's dozen: per-leaf overhead, not math.
+    """
+    gs, spec = pytree.tree_flatten(grads)
+    ms, m_spec = pytree.tree_flatten(mu)
+    vs, v_spec = pytree.tree_flatten(nu)
+    ps_, p_spec = pytree.tree_flatten(params) if params is not None else (gs, spec)
+    if not gs or m_spec != spec or v_spec != spec or p_spec != spec:
+        return None
+    for g, m, v, p in zip(gs, ms, vs, ps_):
+        if not (type(g) is Tensor and type(m) is Tensor and type(v) is Tensor and isinstance(p, Tensor)):
+            return None
+        if g.dtype not in (torch.float32, torch.float64) or not g.dtype == m.dtype == v.dtype == p.dtype:
+            return None
+        if not g.shape == m.shape == v.shape == p.shape:
+            return None
+    return gs, ms, vs, spec
+
+
 def _adam_leafwise(gs, mu, nu, beta1, beta2, bc1, bc2, eps):
     """`scale_by_adam`'s math one leaf at a time (eager CPU, see `tr.leafwise`): new μ, ν
     and updates, each a fresh tensor; the temporaries of a leaf are reused in place.
@@ -253,10 +277,11 @@ def _adam_leafwise(gs, mu, nu, beta1, beta2, bc1, bc2, eps):
     u = m / (√v · bc1/√bc2 + eps·bc1), = (m / bc1) / (√(v / bc2) + eps) to rounding,
     one pass over memory fewer than scaling m and v apart.
     """
-    scale, shift = bc1 / torch.sqrt(bc2), eps * bc1
+    # Scalars once per step, not per leaf (a 0-d tensor op costs as much as a small leaf's).
+    scale, shift, w1 = bc1 / torch.sqrt(bc2), eps * bc1, 1.0 - beta1
     new_mu, new_nu, out = [], [], []
     for g, m, v in zip(gs, mu, nu):
-        m = torch.lerp(m, g, 1.0 - beta1)  # β₁·m + (1-β₁)·g
+        m = torch.lerp(m, g, w1)  # β₁·m + (1-β₁)·g
         v = torch.mul(g, g).lerp_(v, beta2)  # β₂·v + (1-β₂)·g²
         d = torch.sqrt(v).mul_(scale).add_(shift)
         out.append(torch.div(m, d, out=d))

@@ -169,23 +169,23 @@ def _adopt_into(dst_tree: PyTree, src_tree: PyTree, what: str, taken: set[int]) 
         )
     copies = []
     for d, s in zip(dst, src):
-        if not isinstance(d, Tensor) or d is s:
+        if d is s or not isinstance(d, Tensor):
             continue
-        ptr = s.untyped_storage().data_ptr() if isinstance(s, Tensor) else None
-        same = (
-            ptr is not None
-            and ptr not in taken
-            and type(d) is Tensor
-            and type(s) is Tensor
-            and (d.dtype, d.device, d.shape, d.stride()) == (s.dtype, s.device, s.shape, s.stride())
-            and s.storage_offset() == 0
-            and s.untyped_storage().nbytes() == d.untyped_storage().nbytes()
-        )
-        if same:
-            taken.add(ptr)
-            d.set_(s)
-        else:
-            copies.append((d, s))
+        if type(d) is Tensor and type(s) is Tensor and s.storage_offset() == 0 and s.dtype == d.dtype:
+            storage = s.untyped_storage()
+            ptr = storage.data_ptr()
+            # The whole of a storage no one else holds, laid out as `d` was.
+            if (
+                ptr not in taken
+                and storage.nbytes() == s.numel() * s.element_size()
+                and s.shape == d.shape
+                and s.stride() == d.stride()
+                and s.device == d.device
+            ):
+                taken.add(ptr)
+                d.set_(s)
+                continue
+        copies.append((d, s))
     if copies:
         _copy_into([d for d, _ in copies], [s for _, s in copies], what)
 

@@ -282,6 +282,8 @@ def _adam_leafwise(gs, mu, nu, beta1, beta2, bc1, bc2, eps):
     new_mu, new_nu, out = [], [], []
     for g, m, v in zip(gs, mu, nu):
         m = torch.lerp(m, g, w1)  # β₁·m + (1-β₁)·g
+        if m.dtype != g.dtype:  # a 0-d leaf, promoted by a 0-d float64 β₁ (in place ops keep their dtype)
+            m = m.to(g.dtype)
         v = torch.mul(g, g).lerp_(v, beta2)  # β₂·v + (1-β₂)·g²
         d = torch.sqrt(v).mul_(scale).add_(shift)
         out.append(torch.div(m, d, out=d))

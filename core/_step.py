@@ -148,7 +148,26 @@ def _copy_into(dst_tree: PyTree, src_tree: PyTree, what: str) -> None:
 
 def _storages(*trees: Any) -> set[int]:
     """The addresses of the storages behind every tensor leaf of `trees`."""
-    return {x.untyped_storage().data_ptr() for t in trees for x in pytree.tree_leaves(t) if isinstance(x, Tensor)}
+    return {x.untyped_storage().data_ptr() for x in tr.tensors_in(*trees) if type(x) in (Tensor, torch.nn.Parameter)}
+
+
+def _leaf_pairs(dst: Any, src: Any, out: list) -> bool:
+    """Collect the matching tensor leaves of two trees of dicts, lists, tuples and
+    NamedTuples into `out` (a walk, without pytree's specs); False for any other node or a
+    difference in structure, which the caller leaves to pytree."""
+    if isinstance(dst, Tensor) or isinstance(src, Tensor):
+        if isinstance(dst, Tensor) and isinstance(src, Tensor):
+            out.append((dst, src))
+            return True
+        return False
+    kind = type(dst)
+    if kind is not type(src):
+        return False
+    if kind is dict:
+        return list(dst) == list(src) and all(_leaf_pairs(dst[k], src[k], out) for k in dst)
+    if kind is tuple or kind is list or tr.is_namedtuple(dst):
+        return len(dst) == len(src) and all(_leaf_pairs(a, b, out) for a, b in zip(dst, src))
+    return dst is None or kind in (int, float, bool, str)
 
 
 def _adopt_into(dst_tree: PyTree, src_tree: PyTree, what: str, taken: set[int]) -> None:
@@ -160,16 +179,13 @@ def _adopt_into(dst_tree: PyTree, src_tree: PyTree, what: str, taken: set[int]) 
     old state: a state that kept the caller's grad would otherwise alias it from then
     on), nor one adopted already. Anything else is copied, as `_copy_into` does.
     """
-    dst, dst_spec = pytree.tree_flatten(dst_tree)
-    src, src_spec = pytree.tree_flatten(src_tree)
-    if dst_spec != src_spec:
-        raise ValueError(
-            f"donate=True needs the new {what} structured like the old one; the transform changed "
-            f"{dst_spec} into {src_spec}"
-        )
+    pairs: list[tuple[Tensor, Tensor]] = []
+    if not _leaf_pairs(dst_tree, src_tree, pairs):  # another kind of node, or a mismatch to report
+        _copy_into(dst_tree, src_tree, what)
+        return
     copies = []
-    for d, s in zip(dst, src):
-        if d is s or not isinstance(d, Tensor):
+    for d, s in pairs:
+        if d is s:
             continue
         if type(d) is Tensor and type(s) is Tensor and s.storage_offset() == 0 and s.dtype == d.dtype:
             storage = s.untyped_storage()
@@ -177,7 +193,7 @@ def _adopt_into(dst_tree: PyTree, src_tree: PyTree, what: str, taken: set[int]) 
             # The whole of a storage no one else holds, laid out as `d` was.
             if (
                 ptr not in taken
-                and storage.nbytes() == s.numel() * s.element_size()
+                and storage.nbytes() == s.nbytes
                 and s.shape == d.shape
                 and s.stride() == d.stride()
                 and s.device == d.device

@@ -171,6 +171,9 @@ def _is_namedtuple(x: Any) -> bool:
     return isinstance(x, tuple) and hasattr(x, "_fields")
 
 
+is_namedtuple = _is_namedtuple
+
+
 def _children(node: Any) -> list[tuple[Any, Any]]:
     if _is_namedtuple(node):
         return [(f, getattr(node, f)) for f in node._fields]
@@ -384,6 +387,28 @@ def leafwise(xs: Sequence[Tensor], *scalars: Scalar) -> bool:
     return not (torch.is_grad_enabled() and any(getattr(s, "requires_grad", False) for s in scalars))
 
 
+def tensors_in(*trees: Any) -> list[Tensor]:
+    """Every tensor leaf of `trees`, in no promised order: a plain walk of dicts, lists,
+    tuples and NamedTuples (pytree's flatten also builds a spec, several times slower);
+    any other node goes through `pytree.tree_leaves`."""
+    out: list[Tensor] = []
+    stack = list(trees)
+    while stack:
+        node = stack.pop()
+        kind = type(node)
+        if kind is Tensor or kind is torch.nn.Parameter:
+            out.append(node)
+        elif kind is dict:
+            stack.extend(node.values())
+        elif kind is tuple or kind is list or _is_namedtuple(node):
+            stack.extend(node)
+        elif node is None or kind in (int, float, bool, str):
+            continue
+        else:
+            out.extend(x for x in pytree.tree_leaves(node) if isinstance(x, Tensor))
+    return out
+
+
 def owned(new: Sequence[Any], *others: Any) -> bool:
     """Whether the tensors `new` are exclusively their holder's: distinct, each covering its
     whole storage, and sharing no storage with any tensor leaf of `others`.
@@ -406,14 +431,11 @@ def owned(new: Sequence[Any], *others: Any) -> bool:
         seen.add(storage.data_ptr())
     if len(seen) != len(new):
         return False
-    for tree in others:
-        for x in pytree.tree_leaves(tree):
-            if not isinstance(x, Tensor):
-                continue
-            if type(x) not in (Tensor, torch.nn.Parameter) or (grad and x.requires_grad):
-                return False  # a subclass (DTensor) hides its storage; autograd records the step
-            if x.untyped_storage().data_ptr() in seen:
-                return False
+    for x in tensors_in(*others):
+        if type(x) not in (Tensor, torch.nn.Parameter) or (grad and x.requires_grad):
+            return False  # a subclass (DTensor) hides its storage; autograd records the step
+        if x.untyped_storage().data_ptr() in seen:
+            return False
     return True
 
 

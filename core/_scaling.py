@@ -226,7 +226,7 @@ def scale_by_adam(
         bc1 = 1.0 - beta1**t
         bc2 = 1.0 - beta2**t
         plain = None if amsgrad or eps_root else _plain_moments(grads, state.mu, state.nu, params)
-        if plain is not None and tr.leafwise(plain[0], beta1, beta2, eps):
+        if plain is not None and tr.leafwise([*plain[0], *plain[1], *plain[2]], beta1, beta2, eps):
             gs, mu, nu, spec = plain
             mu, nu, out = _adam_leafwise(gs, mu, nu, beta1, beta2, bc1, bc2, eps)
             mu, nu = pytree.tree_unflatten(mu, spec), pytree.tree_unflatten(nu, spec)

@@ -384,7 +384,9 @@ def leafwise(xs: Sequence[Tensor], *scalars: Scalar) -> bool:
     """
     if not _owned_inplace(list(xs)) or any(x.device.type != "cpu" for x in xs):
         return False
-    return not (torch.is_grad_enabled() and any(getattr(s, "requires_grad", False) for s in scalars))
+    if not torch.is_grad_enabled():
+        return True
+    return not any(x.requires_grad for x in xs) and not any(getattr(s, "requires_grad", False) for s in scalars)
 
 
 def tensors_in(*trees: Any) -> list[Tensor]:

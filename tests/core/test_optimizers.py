@@ -134,6 +134,18 @@ def test_adam_eager_cpu_path_equals_the_traced_path_to_rounding(dtype):
         torch.testing.assert_close(ps.tree_leaves(fast_state), ps.tree_leaves(slow_state), **tol)
 
 
+def test_adam_differentiates_through_a_state_that_autograd_records():
+    # The eager CPU path updates its own intermediates in place; a moment that requires
+    # grad (meta-learning through earlier steps) must take the differentiable path instead.
+    params = {"w": torch.randn(5, dtype=torch.float64)}
+    opt = ps.adamw(0.1)
+    mu0 = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    state = ps.tree_set(opt.init(params), "mu", {"w": 2.0 * mu0})
+    updates, _ = opt.update({"w": torch.randn(5, dtype=torch.float64)}, state, params)
+    (grad,) = torch.autograd.grad(updates["w"].sum(), mu0)
+    assert torch.isfinite(grad).all() and (grad != 0).all()
+
+
 def test_adamw_defaults_match_torch_adamw_defaults():
     params = make_params()
     grads = grad_stream(params)

@@ -3,24 +3,32 @@ torch.optim.AdamW (foreach, fused) on the same params, at ~10M fp32 params in 50
 
     python benchmarks/bench_adapter.py                  # CPU (or CUDA where present)
     python benchmarks/bench_adapter.py --device cuda
+    python benchmarks/bench_adapter.py --threads 1      # CPU time of one thread: robust on a shared machine
 
 Contenders, timed round-robin (warm-up, then the median of `--reps` steps):
 - `torch AdamW foreach` / `torch AdamW fused`: `opt.step()` with the grads in `p.grad`.
 - `adapter default`: `Optimizer(params, ps.adamw, lr=...)` as constructed with no `compile`
   argument: at this size it compiles (`AUTO_COMPILE_NUMEL`); its first step is timed apart.
 - `adapter eager`: the same with `compile=False`.
-- `make_update compiled`: `ps.make_update(ps.inject_hyperparams(ps.adamw)(...), compile=True,
-  donate=True)`, the update the adapter runs, called on plain tensors without the adapter,
-  so the adapter's own overhead shows (`--no-raw` skips it).
+- `make_update compiled` / `make_update eager`: `ps.make_update(ps.inject_hyperparams(ps.adamw)(...),
+  compile=..., donate=True)`, the update the adapter runs, called on plain tensors without the
+  adapter, so the adapter's own overhead shows (`--no-raw` skips them).
 
 Prints ms per step, each contender's time over fused and over foreach, achieved GB/s
 against the 28 bytes per param an fp32 AdamW step moves, and the first (compiling) step.
+On CPU each step is timed twice over, by the wall clock and by the process's CPU time
+(`time.process_time`, all its threads), with the minor page faults it took: on a machine
+shared with other jobs, `--threads 1` and the CPU-time columns measure the work a step
+does rather than how long it waited for a core.
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -55,36 +63,73 @@ def contenders(numel: int, n: int, device: torch.device, raw: bool):
         fns[name] = opt.step
     if raw:
         names = [f"p{i}" for i in range(n)]
-        params = dict(zip(names, make_leaves(numel, n, device, seed=0)))
-        tree = dict(zip(names, (g.clone() for g in grads)))
         transform = ps.inject_hyperparams(ps.adamw)(LR, betas=BETAS, eps=EPS, weight_decay=WD)  # as the adapter runs it
-        state = transform.init(params)
-        update = ps.make_update(transform, compile=True, donate=True)
-        first["make_update compiled"] = C.first_call(lambda: update(params, tree, state), device)
-        fns["make_update compiled"] = lambda: update(params, tree, state)
+        for name, compile in (("make_update compiled", True), ("make_update eager", False)):
+            params = dict(zip(names, make_leaves(numel, n, device, seed=0)))
+            tree = dict(zip(names, (g.clone() for g in grads)))
+            state = transform.init(params)
+            update = ps.make_update(transform, compile=compile, donate=True)
+            call = lambda update=update, params=params, tree=tree, state=state: update(params, tree, state)  # noqa: E731
+            first[name] = C.first_call(call, device)
+            fns[name] = call
     return fns, first
+
+
+def interleaved(fns: dict, device: torch.device, reps: int, warmup: int = 3) -> dict[str, dict[str, float]]:
+    """Per contender, medians over `reps` round-robin steps of wall seconds, CPU seconds
+    (`process_time`) and minor page faults (as `C.interleaved`, with CPU time and faults)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    C.sync(device)
+    got: dict[str, dict[str, list[float]]] = {k: {"wall": [], "cpu": [], "faults": []} for k in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            C.sync(device)
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            wall, cpu = time.perf_counter(), time.process_time()
+            fn()
+            C.sync(device)
+            got[name]["wall"].append(time.perf_counter() - wall)
+            got[name]["cpu"].append(time.process_time() - cpu)
+            got[name]["faults"].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+    return {k: {m: statistics.median(v) for m, v in d.items()} for k, d in got.items()}
 
 
 def run(numel: int, n: int, device: torch.device, reps: int, raw: bool) -> str:
     fns, first = contenders(numel, n, device, raw)
-    t = C.interleaved(fns, device, reps=reps)
-    fused, foreach = t["torch AdamW fused"], t["torch AdamW foreach"]
+    t = interleaved(fns, device, reps)
+    clocks = ["wall"] if device.type == "cuda" else ["wall", "cpu"]
     rows = []
-    for name, sec in t.items():
-        step1 = f"{first[name]:.1f}" if name in first else ""
-        rows.append(
-            [name, f"{sec * 1e3:.2f}", f"{sec / fused:.3f}", f"{sec / foreach:.3f}", f"{28 * numel / sec / 1e9:.1f}", step1]
-        )
-    header = ["contender", "ms / step (median)", "time / fused", "time / foreach", "GB/s (28 B/param)", "first step s"]
+    for name, m in t.items():
+        row = [name]
+        for clock in clocks:
+            fused, foreach = t["torch AdamW fused"][clock], t["torch AdamW foreach"][clock]
+            row += [f"{m[clock] * 1e3:.2f}", f"{m[clock] / fused:.3f}", f"{m[clock] / foreach:.3f}"]
+        row += [f"{28 * numel / m['wall'] / 1e9:.1f}"]
+        row += [f"{m['faults']:.0f}"] if device.type == "cpu" else []
+        row += [f"{first[name]:.1f}" if name in first else ""]
+        rows.append(row)
+    header = ["contender"]
+    for clock in clocks:
+        what = "wall" if clock == "wall" else "CPU"
+        header += [f"{what} ms / step (median)", f"{what} / fused", f"{what} / foreach"]
+    header += ["GB/s (28 B/param, wall)"] + (["page faults / step"] if device.type == "cpu" else []) + ["first step s"]
     default = "compiled" if numel >= AUTO_COMPILE_NUMEL else "eager"
-    out = (
-        f"## {numel / 1e6:.0f}M fp32 params in {n} tensors, {reps} timed steps (default path: {default})\n\n"
-        + C.table(header, rows)
-        + f"\n\nadapter default / fused: {t['adapter default'] / fused:.3f} (target <= 1.05); "
-        f"adapter eager / foreach: {t['adapter eager'] / foreach:.3f} (target <= 1)"
-    )
-    if raw:
-        out += f"; adapter default / make_update compiled: {t['adapter default'] / t['make_update compiled']:.3f}"
+    out = f"## {numel / 1e6:.0f}M fp32 params in {n} tensors, {reps} timed steps (default path: {default})\n\n"
+    out += C.table(header, rows) + "\n"
+    for clock in clocks:
+        fused, foreach = t["torch AdamW fused"][clock], t["torch AdamW foreach"][clock]
+        out += (
+            f"\n{clock}: adapter default / fused: {t['adapter default'][clock] / fused:.3f} (target <= 1.05); "
+            f"adapter eager / foreach: {t['adapter eager'][clock] / foreach:.3f} (target <= 1)"
+        )
+        if raw:
+            out += (
+                f"; adapter default / make_update compiled: "
+                f"{t['adapter default'][clock] / t['make_update compiled'][clock]:.3f}; "
+                f"adapter eager / make_update eager: {t['adapter eager'][clock] / t['make_update eager'][clock]:.3f}"
+            )
     print(out + "\n", flush=True)
     return out + "\n"
 
@@ -95,12 +140,15 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=50)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--no-raw", action="store_true", help="skip the adapter-less make_update contender")
+    ap.add_argument("--no-raw", action="store_true", help="skip the adapter-less make_update contenders")
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU); default: torch's")
     ap.add_argument("--no-write", action="store_true", help="print only, write no results file")
     args = ap.parse_args()
     if args.reps < 20:
         ap.error("--reps must be at least 20 (medians of fewer steps are noise on a shared machine)")
     device = torch.device(args.device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     body = run(int(args.numel), args.tensors, device, args.reps, not args.no_raw)
     if not args.no_write:
         print(C.write_result(f"adapter-{args.numel / 1e6:.0f}M", "Optimizer adapter vs torch.optim.AdamW", device, body))

@@ -49,13 +49,27 @@ def chain(*transforms: Transform) -> Transform:
     def init(params: Params) -> tuple:
         return tuple(t.init(params) for t in transforms)
 
+    # A building block whose update has an `update_owned` variant (`add_decayed_weights`,
+    # `scale_by_lr`, `scale`) may write into updates that are the chain's own: fresh
+    # tensors from the transform before, aliasing no grad, param or state (`tr.owned`).
+    # In eager mode that saves a new set of update tensors per block, whose allocation
+    # (page faults) costs more than the math; the inputs of the chain are never written.
+    in_place = [getattr(t.update, "update_owned", None) for t in transforms]
+
     def update(grads, state, params=None, **extra):
         if len(state) != len(transforms):
             raise ValueError(f"chain state has {len(state)} entries for {len(transforms)} transforms")
-        new_state = []
-        for t, s in zip(transforms, state):
-            grads, s = t.update(grads, s, params, **extra)
-            new_state.append(s)
+        new_state, owned = [], False
+        for i, (t, s) in enumerate(zip(transforms, state)):
+            new_grads, new_s = (in_place[i] if owned else t.update)(grads, s, params, **extra)
+            new_state.append(new_s)
+            # update_owned writes into its own updates or returns fresh ones: still owned.
+            owned = (
+                i + 1 < len(transforms)
+                and in_place[i + 1] is not None
+                and (owned or tr.owned(tr.tree_leaves(new_grads), grads, s, new_s, params, extra))
+            )
+            grads = new_grads
         return grads, tuple(new_state)
 
     return Transform(init, update)

@@ -50,6 +50,11 @@ def scale(factor: float | Tensor) -> Transform:
         leaves, spec = pytree.tree_flatten(grads)
         return pytree.tree_unflatten(tr.cast_like(tr.mul(leaves, factor), leaves), spec), state
 
+    def update_owned(grads, state, params=None, **extra):
+        leaves, spec = pytree.tree_flatten(grads)  # the chain's own updates: scaled in place
+        return pytree.tree_unflatten(tr.cast_like(tr.mul_(leaves, factor), leaves), spec), state
+
+    update.update_owned = update_owned
     return Transform(init, update)
 
 
@@ -90,6 +95,17 @@ def scale_by_lr(lr: ScalarOrSchedule) -> Transform:
             value = lr
         return pytree.tree_unflatten(tr.cast_like(tr.mul(leaves, -value), leaves), spec), state
 
+    def update_owned(grads, state, params=None, **extra):
+        # `chain` passes updates that are its own: u ← -η·u in place, no new tensors.
+        leaves, spec = pytree.tree_flatten(grads)
+        if callable(lr):
+            value = resolve(lr, state.count)
+            state = ScaleByLrState(state.count + 1)
+        else:
+            value = lr
+        return pytree.tree_unflatten(tr.cast_like(tr.mul_(leaves, -value), leaves), spec), state
+
+    update.update_owned = update_owned
     return Transform(init, update)
 
 
@@ -206,34 +222,95 @@ def scale_by_adam(
         return ScaleByAdamState(zero_count(leaf_device(leaves)), mu, nu)
 
     def update(grads, state, params=None, **extra):
-        gs, wide, mu = lp.load_moments(grads, state.mu, params)
-        nu = lp.load_moments(grads, state.nu, second=True)[2]
-        spec = pytree.tree_structure(grads)
         beta1, beta2 = resolve(b1, state.count), resolve(b2, state.count)
-        mu = tr.cast_like(tr.ema(mu, wide, beta1), wide)
-        nu = tr.cast_like(tr.ema_sq(nu, wide, beta2), wide)
         # Bias corrections: 0-d float64, computed once per step, not per element.
         t = (state.count + 1).to(torch.float64)
         bc1 = 1.0 - beta1**t
         bc2 = 1.0 - beta2**t
-        if amsgrad:
-            nu_max = [torch.maximum(a, b) for a, b in zip(lp.load_moments(grads, state.nu_max, second=True)[2], nu)]
-        # u = (m / bc1) / (√(v / bc2 + eps_root) + eps)
-        # (intermediates are updated in place: in eager mode allocation costs more than math)
-        denom = tr.mul(nu_max if amsgrad else nu, 1.0 / bc2)
-        if eps_root:
-            denom = tr.add_scalar_(denom, eps_root)
-        denom = tr.add_scalar_(tr.sqrt_(denom), eps)
-        out = tr.cast_like(tr.mul_(tr.div_into_(mu, denom), 1.0 / bc1), gs)
+        plain = None if amsgrad or eps_root else _plain_moments(grads, state.mu, state.nu, params)
+        if plain is not None and tr.leafwise([*plain[0], *plain[1], *plain[2]], beta1, beta2, eps):
+            gs, mu, nu, spec = plain
+            mu, nu, out = _adam_leafwise(gs, mu, nu, beta1, beta2, bc1, bc2, eps)
+            mu, nu = pytree.tree_unflatten(mu, spec), pytree.tree_unflatten(nu, spec)
+            return pytree.tree_unflatten(out, spec), ScaleByAdamState(state.count + 1, mu, nu)
+        gs, wide, mu = lp.load_moments(grads, state.mu, params)
+        nu = lp.load_moments(grads, state.nu, second=True)[2]
+        spec = pytree.tree_structure(grads)
+        nu_max = state.nu_max if amsgrad else None
+        mu, nu, out = _adam_foreach(grads, gs, wide, mu, nu, beta1, beta2, bc1, bc2, eps, eps_root, nu_max)
         keys = lp.moment_keys(state.count, rounding, state.mu, state.nu)  # ν_max is stored like ν
         new_state = ScaleByAdamState(
             state.count + 1, lp.store_moments(mu, state.mu, keys), lp.store_moments(nu, state.nu, keys, second=True)
         )
         if amsgrad:
-            new_state = ScaleByAmsgradState(*new_state, lp.store_moments(nu_max, state.nu_max, keys, second=True))
+            new_state = ScaleByAmsgradState(*new_state, lp.store_moments(out[1], state.nu_max, keys, second=True))
+            out = out[0]
         return pytree.tree_unflatten(out, spec), new_state
 
     return Transform(init, update)
+
+
+def _plain_moments(grads, mu, nu, params):
+    """`(grads, μ, ν, spec)` as leaf lists when they (and `params`) match leaf for leaf with
+    nothing to convert: plain float32 or float64 tensors, one dtype and shape per leaf. Else
+    None, and the caller takes the general path (`lp.load_moments`, which names a mismatch).
+    Three flattens instead of the general path's dozen: per-leaf overhead, not math.
+    """
+    gs, spec = pytree.tree_flatten(grads)
+    ms, m_spec = pytree.tree_flatten(mu)
+    vs, v_spec = pytree.tree_flatten(nu)
+    ps_, p_spec = pytree.tree_flatten(params) if params is not None else (gs, spec)
+    if not gs or m_spec != spec or v_spec != spec or p_spec != spec:
+        return None
+    for g, m, v, p in zip(gs, ms, vs, ps_):
+        if not (type(g) is Tensor and type(m) is Tensor and type(v) is Tensor and isinstance(p, Tensor)):
+            return None
+        if g.dtype not in (torch.float32, torch.float64) or not g.dtype == m.dtype == v.dtype == p.dtype:
+            return None
+        if not g.shape == m.shape == v.shape == p.shape:
+            return None
+    return gs, ms, vs, spec
+
+
+def _adam_leafwise(gs, mu, nu, beta1, beta2, bc1, bc2, eps):
+    """`scale_by_adam`'s math one leaf at a time (eager CPU, see `tr.leafwise`): new μ, ν
+    and updates, each a fresh tensor; the temporaries of a leaf are reused in place.
+
+    u = m / (√v · bc1/√bc2 + eps·bc1), = (m / bc1) / (√(v / bc2) + eps) to rounding,
+    one pass over memory fewer than scaling m and v apart.
+    """
+    # Scalars once per step, not per leaf (a 0-d tensor op costs as much as a small leaf's).
+    scale, shift, w1 = bc1 / torch.sqrt(bc2), eps * bc1, 1.0 - beta1
+    new_mu, new_nu, out = [], [], []
+    for g, m, v in zip(gs, mu, nu):
+        m = torch.lerp(m, g, w1)  # β₁·m + (1-β₁)·g
+        if m.dtype != g.dtype:  # a 0-d leaf, promoted by a 0-d float64 β₁ (in place ops keep their dtype)
+            m = m.to(g.dtype)
+        v = torch.mul(g, g).lerp_(v, beta2)  # β₂·v + (1-β₂)·g²
+        d = torch.sqrt(v).mul_(scale).add_(shift)
+        out.append(torch.div(m, d, out=d))
+        new_mu.append(m)
+        new_nu.append(v)
+    return new_mu, new_nu, out
+
+
+def _adam_foreach(grads, gs, wide, mu, nu, beta1, beta2, bc1, bc2, eps, eps_root, nu_max):
+    """`scale_by_adam`'s math as leaf-list ops: foreach kernels (per leaf under torch.func).
+
+    Returns new μ, ν and updates (and the new ν_max when `nu_max` is the stored one).
+    """
+    mu = tr.cast_like(tr.ema(mu, wide, beta1), wide)
+    nu = tr.cast_like(tr.ema_sq(nu, wide, beta2), wide)
+    if nu_max is not None:
+        nu_max = [torch.maximum(a, b) for a, b in zip(lp.load_moments(grads, nu_max, second=True)[2], nu)]
+    # u = (m / bc1) / (√(v / bc2 + eps_root) + eps)
+    # (intermediates are updated in place: in eager mode allocation costs more than math)
+    denom = tr.mul(nu if nu_max is None else nu_max, 1.0 / bc2)
+    if eps_root:
+        denom = tr.add_scalar_(denom, eps_root)
+    denom = tr.add_scalar_(tr.sqrt_(denom), eps)
+    out = tr.cast_like(tr.mul_(tr.div_into_(mu, denom), 1.0 / bc1), gs)
+    return mu, nu, (out if nu_max is None else (out, nu_max))
 
 
 class ScaleByLionState(NamedTuple):

@@ -148,6 +148,66 @@ def _copy_into(dst_tree: PyTree, src_tree: PyTree, what: str) -> None:
                 d.copy_(s)
 
 
+def _storages(*trees: Any) -> set[int]:
+    """The addresses of the storages behind every tensor leaf of `trees`."""
+    return {x.untyped_storage().data_ptr() for x in tr.tensors_in(*trees) if type(x) in (Tensor, torch.nn.Parameter)}
+
+
+def _leaf_pairs(dst: Any, src: Any, out: list) -> bool:
+    """Collect the matching tensor leaves of two trees of dicts, lists, tuples and
+    NamedTuples into `out` (a walk, without pytree's specs); False for any other node or a
+    difference in structure, which the caller leaves to pytree."""
+    if isinstance(dst, Tensor) or isinstance(src, Tensor):
+        if isinstance(dst, Tensor) and isinstance(src, Tensor):
+            out.append((dst, src))
+            return True
+        return False
+    kind = type(dst)
+    if kind is not type(src):
+        return False
+    if kind is dict:
+        return list(dst) == list(src) and all(_leaf_pairs(dst[k], src[k], out) for k in dst)
+    if kind is tuple or kind is list or tr.is_namedtuple(dst):
+        return len(dst) == len(src) and all(_leaf_pairs(a, b, out) for a, b in zip(dst, src))
+    return dst is None or kind in (int, float, bool, str)
+
+
+def _adopt_into(dst_tree: PyTree, src_tree: PyTree, what: str, taken: set[int]) -> None:
+    """Donation without copies: each `dst` leaf takes over the storage of its new value
+    (`Tensor.set_`), so the tensor objects stay the same and nothing is copied.
+
+    A new value is adopted only when it is a tensor of the same dtype, device, shape and
+    strides whose storage nothing else uses: not a storage in `taken` (the grads, params,
+    old state: a state that kept the caller's grad would otherwise alias it from then
+    on), nor one adopted already. Anything else is copied, as `_copy_into` does.
+    """
+    pairs: list[tuple[Tensor, Tensor]] = []
+    if not _leaf_pairs(dst_tree, src_tree, pairs):  # another kind of node, or a mismatch to report
+        _copy_into(dst_tree, src_tree, what)
+        return
+    copies = []
+    for d, s in pairs:
+        if d is s:
+            continue
+        if type(d) is Tensor and type(s) is Tensor and s.storage_offset() == 0 and s.dtype == d.dtype:
+            storage = s.untyped_storage()
+            ptr = storage.data_ptr()
+            # The whole of a storage no one else holds, laid out as `d` was.
+            if (
+                ptr not in taken
+                and storage.nbytes() == s.nbytes
+                and s.shape == d.shape
+                and s.stride() == d.stride()
+                and s.device == d.device
+            ):
+                taken.add(ptr)
+                d.set_(s)
+                continue
+        copies.append((d, s))
+    if copies:
+        _copy_into([d for d, _ in copies], [s for _, s in copies], what)
+
+
 def _lr_metric(opt_state: OptState) -> Tensor | None:
     """The lr the step used, when exactly one injected hyperparameter is called `lr`."""
     found = [hp["lr"] for _, hp in tr.find_all(opt_state, "hyperparams") if isinstance(hp, dict) and "lr" in hp]
@@ -255,7 +315,20 @@ def make_update(
         if averaging is not None:
             _copy_into(ema_state, out[2], "ema_state")
 
-    inner = _maybe_compile(in_place if donate else pure, compile)
+    def eager_in_place(params, grads, opt_state, ema_state=None):
+        # Uncompiled donation: p += u in place (one pass, no new params), and the state
+        # leaves adopt the storage of their new values instead of copying them back.
+        tr.check_match(grads, params, "grads", "params")
+        updates, new_state = optimizer.update(grads, opt_state, params)
+        tr.apply_updates_(params, updates)
+        del updates
+        taken = _storages(params, grads, opt_state, ema_state)
+        _adopt_into(opt_state, new_state, "opt_state", taken)
+        if averaging is not None:
+            _adopt_into(ema_state, averaging[1](ema_state, params), "ema_state", taken)
+
+    inner = pure if not donate else in_place if compile else eager_in_place
+    inner = _maybe_compile(inner, compile)
     packed = _flat.FlatUpdate(optimizer, pure, averaging, _FLAT_OPTIONS) if compile and donate and flat else None
 
     def update(params: Params, grads: PyTree, opt_state: OptState, *ema_state: Any) -> tuple:

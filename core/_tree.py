@@ -171,6 +171,9 @@ def _is_namedtuple(x: Any) -> bool:
     return isinstance(x, tuple) and hasattr(x, "_fields")
 
 
+is_namedtuple = _is_namedtuple
+
+
 def _children(node: Any) -> list[tuple[Any, Any]]:
     if _is_namedtuple(node):
         return [(f, getattr(node, f)) for f in node._fields]
@@ -368,6 +371,88 @@ def _owned_inplace(xs: list[Tensor]) -> bool:
     if torch.compiler.is_compiling():
         return False
     return use_foreach(xs) and not (torch.is_grad_enabled() and xs[0].requires_grad)
+
+
+def leafwise(xs: Sequence[Tensor], *scalars: Scalar) -> bool:
+    """Whether eager CPU math may run leaf by leaf, in place on its own intermediates.
+
+    On CPU a foreach kernel is a loop over the leaves, so a chain of them sweeps all the
+    leaves once per op; running every op of one leaf before the next keeps that leaf's
+    intermediates in cache (10M fp32 params in 50 leaves: AdamW's leaf math 15% faster).
+    Only in eager mode (compiled code plans its own loops; vmap needs the per-leaf ops of
+    `use_foreach`'s fallback anyway) and with nothing that autograd records.
+    """
+    if not _owned_inplace(list(xs)) or any(x.device.type != "cpu" for x in xs):
+        return False
+    if not torch.is_grad_enabled():
+        return True
+    return not any(x.requires_grad for x in xs) and not any(getattr(s, "requires_grad", False) for s in scalars)
+
+
+def tensors_in(*trees: Any) -> list[Tensor]:
+    """Every tensor leaf of `trees`, in no promised order: a plain walk of dicts, lists,
+    tuples and NamedTuples (pytree's flatten also builds a spec, several times slower);
+    any other node goes through `pytree.tree_leaves`."""
+    out: list[Tensor] = []
+    stack = list(trees)
+    while stack:
+        node = stack.pop()
+        kind = type(node)
+        if kind is Tensor or kind is torch.nn.Parameter:
+            out.append(node)
+        elif kind is dict:
+            stack.extend(node.values())
+        elif kind is tuple or kind is list or _is_namedtuple(node):
+            stack.extend(node)
+        elif node is None or kind in (int, float, bool, str):
+            continue
+        else:
+            out.extend(x for x in pytree.tree_leaves(node) if isinstance(x, Tensor))
+    return out
+
+
+def owned(new: Sequence[Any], *others: Any) -> bool:
+    """Whether the tensors `new` are exclusively their holder's: distinct, each covering its
+    whole storage, and sharing no storage with any tensor leaf of `others`.
+
+    A chain asks this of a transform's output updates (with the transform's inputs, states
+    and params as `others`) before letting the next transform write into them
+    (`update_owned`): an update that is a grad passed through, a state leaf or a view of
+    one is not the chain's to overwrite.
+    """
+    if torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None:
+        return False  # traced or batched: no storages to compare, and nothing gains from in place ops
+    grad = torch.is_grad_enabled()
+    seen = set()
+    for x in new:
+        if type(x) is not Tensor or x.storage_offset() != 0 or (grad and x.requires_grad):
+            return False
+        storage = x.untyped_storage()
+        if storage.nbytes() != x.numel() * x.element_size():
+            return False
+        seen.add(storage.data_ptr())
+    if len(seen) != len(new):
+        return False
+    for x in tensors_in(*others):
+        if type(x) not in (Tensor, torch.nn.Parameter) or (grad and x.requires_grad):
+            return False  # a subclass (DTensor) hides its storage; autograd records the step
+        if x.untyped_storage().data_ptr() in seen:
+            return False
+    return True
+
+
+def axpy_(a: Scalar, xs: list[Tensor], ys: list[Tensor]) -> list[Tensor]:
+    """y += a·x in place: call only on a `ys` you own (see `owned`); `ys` keep their dtypes."""
+    if not _owned_inplace(ys) or not use_foreach(ys, a):
+        return cast_like(axpy(a, xs, ys), ys)
+    if not isinstance(a, Tensor):
+        torch._foreach_add_(ys, xs, alpha=a)
+    elif ys[0].device.type == "cpu":  # per leaf: no temporary list of a·x (foreach is a loop there anyway)
+        for y, x in zip(ys, xs):
+            y.addcmul_(x, a)
+    else:
+        torch._foreach_add_(ys, torch._foreach_mul(xs, a))
+    return ys
 
 
 def sqrt_(xs: list[Tensor]) -> list[Tensor]:

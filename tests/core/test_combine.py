@@ -52,6 +52,37 @@ def test_chain_with_identity_equals_the_transform_bitwise():
     assert_trees_equal(u1, u2)
 
 
+@pytest.mark.parametrize("hyper", [float, torch.tensor], ids=["floats", "tensors"])
+@pytest.mark.parametrize("first", ["identity", "trace", "scale_by_adam"])
+def test_chain_writes_in_place_only_into_updates_it_owns(first, hyper):
+    # add_decayed_weights and scale_by_lr write into updates the chain owns: fresh tensors
+    # from the transform before. Grads passed through (identity) and a momentum buffer that
+    # is both the update and the new state (trace) are not its own. Either way the chain
+    # mutates none of its inputs and equals its pieces applied one by one (pure): bitwise
+    # with float hyperparameters, to rounding with 0-d tensors (u + λ·p is one addcmul_ in
+    # place, a multiply and an add out of place).
+    wd, lr = hyper(0.1), hyper(0.5)
+    pieces = [getattr(ps, first)(*([0.9] if first == "trace" else [])), ps.add_decayed_weights(wd), ps.scale_by_lr(lr)]
+    opt = ps.chain(*pieces)
+    params = make_params()
+    state = opt.init(params)
+    for i in range(3):
+        grads = grads_like(params, i)
+        inputs = pytree.tree_map(torch.clone, (grads, state, params))
+        updates, new_state = opt.update(grads, state, params)
+        assert_trees_equal((grads, state, params), inputs)
+        expected, expected_state = grads, []
+        for t, s in zip(pieces, state):
+            expected, s = t.update(expected, s, params)
+            expected_state.append(s)
+        if hyper is float:
+            assert_trees_equal((updates, new_state), (expected, tuple(expected_state)))
+        else:
+            for x, y in zip(pytree.tree_leaves((updates, new_state)), pytree.tree_leaves((expected, expected_state))):
+                torch.testing.assert_close(x, y, rtol=1e-15, atol=1e-17)
+        state = new_state
+
+
 def test_chain_state_is_a_tuple_of_states():
     params = make_params()
     state = ps.chain(ps.scale_by_adam(), ps.scale_by_lr(0.1)).init(params)

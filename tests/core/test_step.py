@@ -240,6 +240,53 @@ def test_make_update_with_ema_equals_the_separate_pieces():
         update(p, grads, s)
 
 
+@pytest.mark.parametrize("inject", [False, True], ids=["floats", "injected"])
+def test_eager_donated_update_keeps_its_tensors_and_equals_the_pure_update_bitwise(inject):
+    # Uncompiled donation adds the updates into the params in place and lets each state and
+    # EMA leaf adopt its new value's storage (Tensor.set_) instead of copying it back: the
+    # same tensor objects as before, holding bitwise what the pure update returns (the same
+    # math runs; only where its results land differs).
+    torch.manual_seed(0)
+    params = {"w": torch.randn(64, 32), "b": torch.randn(32), "scalar": torch.randn(())}
+    opt = (ps.inject_hyperparams(ps.adamw) if inject else ps.adamw)(1e-2, weight_decay=0.1)
+    ema = ps.params_ema(0.9)
+    pure, donated = ps.make_update(opt, ema=ema), ps.make_update(opt, ema=ema, donate=True)
+    p, s, e = clone(params), opt.init(params), ema.init(params)
+    p_ref, s_ref, e_ref = clone(params), opt.init(params), ema.init(params)
+    before = pytree.tree_leaves((p, s, e))
+    for _ in range(4):
+        grads = pytree.tree_map(lambda t: torch.randn_like(t), params)
+        snapshot = clone(grads)
+        out = donated(p, grads, s, e)
+        assert out[0] is p and out[1] is s and out[2] is e
+        p_ref, s_ref, e_ref = pure(p_ref, grads, s_ref, e_ref)
+        for g, g0 in zip(pytree.tree_leaves(grads), pytree.tree_leaves(snapshot)):
+            assert torch.equal(g, g0)  # the grads are only read
+    after = pytree.tree_leaves((p, s, e))
+    assert all(x is y for x, y in zip(after, before))
+    for (path, x), y in zip(ps.tree_flatten_with_path((p, s, e))[0], pytree.tree_leaves((p_ref, s_ref, e_ref))):
+        assert torch.equal(x, y), path
+
+
+def test_eager_donated_update_copies_a_new_state_leaf_that_aliases_the_grads():
+    # A transform may keep the grads it was given in its state. Adopting that storage would
+    # let the caller's next backward, which accumulates into its grads, rewrite the state.
+    def init(params):
+        return {"last": pytree.tree_map(torch.zeros_like, params)}
+
+    def update(grads, state, params=None, **extra):
+        return pytree.tree_map(torch.neg, grads), {"last": grads}
+
+    keep = ps.Transform(init, update)
+    params = {"w": torch.zeros(3)}
+    state = keep.init(params)
+    grads = {"w": torch.ones(3)}
+    ps.make_update(keep, donate=True)(params, grads, state)
+    grads["w"].mul_(5.0)  # as loss.backward() into p.grad does
+    torch.testing.assert_close(state["last"]["w"], torch.ones(3), rtol=0, atol=0)
+    torch.testing.assert_close(params["w"], -torch.ones(3), rtol=0, atol=0)
+
+
 # --------------------------------------------------------------------------- #
 # Pure: vmap and meta-gradients.
 # --------------------------------------------------------------------------- #

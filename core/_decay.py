@@ -56,7 +56,7 @@ def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0, mask: Any = None) 
             return AddDecayedWeightsState(zero_count(leaf_device(pytree.tree_leaves(params))))
         return EmptyState()
 
-    def update(grads, state, params=None, **extra):
+    def step(grads, state, params, owned: bool):
         if params is None:
             raise ValueError("add_decayed_weights needs params: call update(grads, state, params)")
         ps_ = tr.check_match(params, grads, "params", "grads", dtype=False)
@@ -66,21 +66,15 @@ def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0, mask: Any = None) 
             state = AddDecayedWeightsState(state.count + 1)
         else:
             wd = weight_decay
-        out = tr.cast_like(tr.axpy(wd, ps_, us), us)
+        # `owned`: `chain` passes updates that are its own, so u += λ·p runs in place.
+        out = tr.axpy_(wd, ps_, us) if owned else tr.cast_like(tr.axpy(wd, ps_, us), us)
         return pytree.tree_unflatten(out, spec), state
 
+    def update(grads, state, params=None, **extra):
+        return step(grads, state, params, False)
+
     def update_owned(grads, state, params=None, **extra):
-        # `chain` passes updates that are its own: u += λ·p in place, no new tensors.
-        if params is None:
-            raise ValueError("add_decayed_weights needs params: call update(grads, state, params)")
-        ps_ = tr.check_match(params, grads, "params", "grads", dtype=False)
-        us, spec = pytree.tree_flatten(grads)
-        if callable(weight_decay):
-            wd = resolve(weight_decay, state.count)
-            state = AddDecayedWeightsState(state.count + 1)
-        else:
-            wd = weight_decay
-        return pytree.tree_unflatten(tr.axpy_(wd, ps_, us), spec), state
+        return step(grads, state, params, True)
 
     update.update_owned = update_owned
     t = Transform(init, update)

@@ -46,13 +46,15 @@ def scale(factor: float | Tensor) -> Transform:
     def init(params: Params) -> EmptyState:
         return EmptyState()
 
+    def step(grads, state, owned: bool):
+        leaves, spec = pytree.tree_flatten(grads)  # `owned`: the chain's own updates, scaled in place
+        return pytree.tree_unflatten(tr.cast_like((tr.mul_ if owned else tr.mul)(leaves, factor), leaves), spec), state
+
     def update(grads, state, params=None, **extra):
-        leaves, spec = pytree.tree_flatten(grads)
-        return pytree.tree_unflatten(tr.cast_like(tr.mul(leaves, factor), leaves), spec), state
+        return step(grads, state, False)
 
     def update_owned(grads, state, params=None, **extra):
-        leaves, spec = pytree.tree_flatten(grads)  # the chain's own updates: scaled in place
-        return pytree.tree_unflatten(tr.cast_like(tr.mul_(leaves, factor), leaves), spec), state
+        return step(grads, state, True)
 
     update.update_owned = update_owned
     return Transform(init, update)
@@ -86,24 +88,21 @@ def scale_by_lr(lr: ScalarOrSchedule) -> Transform:
             return ScaleByLrState(zero_count(leaf_device(pytree.tree_leaves(params))))
         return EmptyState()
 
-    def update(grads, state, params=None, **extra):
+    def step(grads, state, owned: bool):
         leaves, spec = pytree.tree_flatten(grads)
         if callable(lr):
             value = resolve(lr, state.count)
             state = ScaleByLrState(state.count + 1)
         else:
             value = lr
-        return pytree.tree_unflatten(tr.cast_like(tr.mul(leaves, -value), leaves), spec), state
+        # `owned`: `chain` passes updates that are its own, so u ← -η·u runs in place.
+        return pytree.tree_unflatten(tr.cast_like((tr.mul_ if owned else tr.mul)(leaves, -value), leaves), spec), state
+
+    def update(grads, state, params=None, **extra):
+        return step(grads, state, False)
 
     def update_owned(grads, state, params=None, **extra):
-        # `chain` passes updates that are its own: u ← -η·u in place, no new tensors.
-        leaves, spec = pytree.tree_flatten(grads)
-        if callable(lr):
-            value = resolve(lr, state.count)
-            state = ScaleByLrState(state.count + 1)
-        else:
-            value = lr
-        return pytree.tree_unflatten(tr.cast_like(tr.mul_(leaves, -value), leaves), spec), state
+        return step(grads, state, True)
 
     update.update_owned = update_owned
     return Transform(init, update)

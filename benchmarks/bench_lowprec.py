@@ -225,6 +225,10 @@ def plot(runs: dict[str, dict], path: Path) -> None:
 # --------------------------------------------------------------------------- #
 
 
+def name_of(tag: str) -> str:
+    return f"lowprec-{tag}" if tag else "lowprec"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -236,6 +240,7 @@ def main() -> None:
     parser.add_argument("--val-batches", type=int, default=8)
     parser.add_argument("--no-compile", action="store_true", help="train eagerly (compiling 5 variants takes minutes on a CPU)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["bytes", "timing", "training", "peers"])
+    parser.add_argument("--tag", default="", help="results as <date>-lowprec-<tag>-<device>.* (parts run apart keep apart files)")
     args = parser.parse_args()
     device = torch.device(args.device)
     numel = int(args.size)
@@ -271,16 +276,24 @@ def main() -> None:
                           seed=cfg.seed)
         val = [{k: v.to(device) for k, v in data.batch(i, split="val").items()} for i in range(args.val_batches)]
         eval_every = args.eval_every or max(1, args.steps // 8)
+        stem = f"{time.strftime('%Y-%m-%d')}-{name_of(args.tag)}-{device.type}"
+        C.RESULTS.mkdir(parents=True, exist_ok=True)
         runs = {}
+
+        def done(name: str) -> None:  # the JSON grows variant by variant, so a run cut short keeps what it finished
+            print(f"  val loss {runs[name]['val'][-1][1]:.4f} ({runs[name]['seconds']:.0f} s)", flush=True)
+            (C.RESULTS / f"{stem}.json").write_text(json.dumps(
+                {n: {"val": r["val"], "train": r["train"], "seconds": r["seconds"]} for n, r in runs.items()}, indent=0))
+
         for name in VARIANTS:
             print(f"training: {name}", flush=True)
             runs[name] = train_ours(name, data, val, args.steps, eval_every, device, not args.no_compile)
-            print(f"  val loss {runs[name]['val'][-1][1]:.4f} ({runs[name]['seconds']:.0f} s)", flush=True)
+            done(name)
         if "peers" not in args.skip:
             for name, make in peers(args.steps).items():
                 print(f"training: {name}", flush=True)
                 runs[name] = train_peer(make, data, val, args.steps, eval_every, device)
-                print(f"  val loss {runs[name]['val'][-1][1]:.4f} ({runs[name]['seconds']:.0f} s)", flush=True)
+                done(name)
         base = runs["fp32"]["val"][-1][1]
         rows = []
         for name, r in runs.items():
@@ -290,11 +303,7 @@ def main() -> None:
             met = "" if target is None else ("yes" if gap <= target else "no")
             rows.append([name, f"{final:.4f}", f"{100 * gap:+.2f}%", "" if target is None else f"≤ {100 * target:.0f}%",
                          met, f"{r['seconds']:.0f}"])
-        stem = f"{time.strftime('%Y-%m-%d')}-lowprec-{device.type}"
-        C.RESULTS.mkdir(parents=True, exist_ok=True)
         plot(runs, C.RESULTS / f"{stem}.png")
-        (C.RESULTS / f"{stem}.json").write_text(json.dumps(
-            {n: {"val": r["val"], "train": r["train"]} for n, r in runs.items()}, indent=0))
         body.append(
             f"## Training quality (demo GPT, {args.steps} steps, AdamW peak lr {PEAK_LR}, warmup + cosine, "
             f"clip {CLIP}; val loss over {args.val_batches} fixed batches)\n\n"
@@ -304,7 +313,7 @@ def main() -> None:
         print(C.table(["variant", "final val loss", "vs fp32", "target", "met", "seconds"], rows))
 
     if body:
-        path = C.write_result("lowprec", "Low-precision optimizer state and bf16 params", device, "\n\n".join(body))
+        path = C.write_result(name_of(args.tag), "Low-precision optimizer state and bf16 params", device, "\n\n".join(body))
         print(f"results: {path}")
 
 

@@ -240,6 +240,10 @@ def main() -> None:
     parser.add_argument("--val-batches", type=int, default=8)
     parser.add_argument("--no-compile", action="store_true", help="train eagerly (compiling 5 variants takes minutes on a CPU)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["bytes", "timing", "training", "peers"])
+    parser.add_argument("--only", nargs="*", default=None, help="train only these variants (names as printed)")
+    parser.add_argument("--merge", nargs="*", default=[], type=Path,
+                        help="training JSONs of runs split over processes (same settings, e.g. --only), joined into "
+                             "this run's table and plot (variants this run trains win)")
     parser.add_argument("--tag", default="", help="results as <date>-lowprec-<tag>-<device>.* (parts run apart keep apart files)")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -285,15 +289,26 @@ def main() -> None:
             (C.RESULTS / f"{stem}.json").write_text(json.dumps(
                 {n: {"val": r["val"], "train": r["train"], "seconds": r["seconds"]} for n, r in runs.items()}, indent=0))
 
-        for name in VARIANTS:
+        wanted = (lambda name: True) if args.only is None else (lambda name: name in args.only)  # noqa: E731
+        for name in filter(wanted, VARIANTS):
             print(f"training: {name}", flush=True)
             runs[name] = train_ours(name, data, val, args.steps, eval_every, device, not args.no_compile)
             done(name)
         if "peers" not in args.skip:
             for name, make in peers(args.steps).items():
-                print(f"training: {name}", flush=True)
-                runs[name] = train_peer(make, data, val, args.steps, eval_every, device)
-                done(name)
+                if wanted(name):
+                    print(f"training: {name}", flush=True)
+                    runs[name] = train_peer(make, data, val, args.steps, eval_every, device)
+                    done(name)
+        for path in args.merge:
+            for name, r in json.loads(path.read_text()).items():
+                runs.setdefault(name, r)
+            print(f"merged: {path}")
+        order = [*VARIANTS, *(n for n in runs if n not in VARIANTS)]
+        runs = {n: runs[n] for n in order if n in runs}
+        if "fp32" not in runs:
+            print("no fp32 run to compare with (train it or --merge its JSON): JSON written, no table")
+            return
         base = runs["fp32"]["val"][-1][1]
         rows = []
         for name, r in runs.items():
@@ -304,6 +319,8 @@ def main() -> None:
             rows.append([name, f"{final:.4f}", f"{100 * gap:+.2f}%", "" if target is None else f"≤ {100 * target:.0f}%",
                          met, f"{r['seconds']:.0f}"])
         plot(runs, C.RESULTS / f"{stem}.png")
+        if args.merge:  # the merged runs' JSON, with this run's, in one file
+            (C.RESULTS / f"{stem}.json").write_text(json.dumps(runs, indent=0))
         body.append(
             f"## Training quality (demo GPT, {args.steps} steps, AdamW peak lr {PEAK_LR}, warmup + cosine, "
             f"clip {CLIP}; val loss over {args.val_batches} fixed batches)\n\n"

@@ -47,6 +47,9 @@ MOMENTS = {
     "8-bit": dict(mu_dtype=FP8, nu_dtype=FP8),
 }
 PEAK_LR, BETAS, WD, CLIP = 3e-3, (0.9, 0.95), 0.01, 1.0  # the demo's AdamW side
+# Bytes one AdamW step moves per param: read p, g, m, v and write p, m, v (8-bit: 1-byte
+# codes plus a float32 scale per 256 elements for each moment, read and written).
+STEP_BYTES = {"fp32": 28, "bf16": 20, "bf16 nearest": 20, "8-bit": 16 + 4 * 4 / 256}
 TARGETS = {"bf16 moments": 0.01, "bf16 params + Kahan": 0.01, "8-bit moments": 0.02}
 
 
@@ -269,10 +272,11 @@ def main() -> None:
         times, first = step_times(numel, args.tensors, device, args.reps)
         rows = []
         for name, t in times.items():
-            rows.append([name, f"{1e3 * t:.1f}", f"{t / times['fp32']:.3f}", f"{first[name]:.1f}"])
+            rows.append([name, f"{1e3 * t:.1f}", f"{t / times['fp32']:.3f}", f"{STEP_BYTES[name] * numel / t / 1e9:.2f}",
+                         f"{first[name]:.1f}"])
             print(f"  {name:13s} {1e3 * t:8.1f} ms  {t / times['fp32']:.3f}x fp32")
         body.append(f"## Step time (AdamW, compiled and donated, {numel / 1e6:.0f}M params in {args.tensors} tensors, median of {args.reps})\n\n" + C.table(
-            ["moments", "ms/step", "ratio to fp32", "first call s"], rows))
+            ["moments", "ms/step", "ratio to fp32", "GB/s", "first call s"], rows))
 
     if "training" not in args.skip:
         cfg = demo_config()

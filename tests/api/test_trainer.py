@@ -194,6 +194,17 @@ def test_bf16_true_checkpoints_the_compensation_buffer_and_resumes_bitwise(tmp_p
     assert_same_checkpoint(tmp_path / "whole" / "checkpoints" / "step_00000008", tmp_path / "cut" / "checkpoints" / "step_00000008")
 
 
+def test_bf16_true_casts_a_given_model_and_its_float_inputs_and_keeps_a_given_compensation():
+    cfg = apply_overrides(TrainConfig(), ["steps=3", "batch_size=8", "precision=bf16-true"])
+    t = _linear_run(cfg, ps.chain(ps.sgd(lr=1e-3), ps.compensated_updates(method="stochastic")))
+    before = {k: p.detach().clone() for k, p in t.named.items()}
+    t.fit()  # float32 batches into a bf16 Linear: cast, or the forward raises a dtype error
+    assert {p.dtype for p in t.named.values()} == {torch.bfloat16}
+    assert all(not torch.equal(t.named[k], before[k]) for k in before)
+    compensation = ps.tree_get(t.opt_state, "compensation")  # one: the given one, no Kahan buffer chained on
+    assert all(c.numel() == 0 for c in compensation.values())
+
+
 # --------------------------------------------------------------------------- #
 # The config: honoured or refused.
 # --------------------------------------------------------------------------- #

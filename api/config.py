@@ -105,9 +105,17 @@ class TrainConfig(_Section):
     micro-batches; `seed` seeds the model's init and the data. Metrics every `log_every`
     steps; evaluation on `eval_batches` validation batches every `eval_every` steps (0:
     never); a checkpoint every `checkpoint_every` steps (0: only at the end; a finished
-    run always has one), of which `keep_last` are kept. `strategy`, `precision` (bf16
-    autocast; fp16 is refused: it needs loss scaling) and `compile` say how it runs;
-    `ema_decay` keeps an EMA of the params (None: none). A step whose loss exceeds
+    run always has one), of which `keep_last` are kept. `strategy`, `precision` and
+    `compile` say how it runs; `ema_decay` keeps an EMA of the params (None: none).
+
+    `precision`: "fp32"; "bf16" (alias "bf16-mixed"): float32 params, forward and
+    backward under bf16 autocast; "bf16-true": the model's params (and floating buffers
+    and inputs) in bf16, no autocast, `ps.compensated_updates()` chained last in the
+    transform so updates below bf16's precision accumulate (its Kahan buffer is in the
+    optimizer state and the checkpoints); moments then follow the params' dtype (bf16,
+    rounded stochastically) unless `optimizer.kwargs.mu_dtype`/`nu_dtype` say otherwise,
+    and the EMA is kept in float32. "fp16" is refused (it needs loss scaling), and so
+    is "bf16-true" under `strategy = "fsdp"`. A step whose loss exceeds
     `spike_factor` x the mean of the last `spike_window` accepted losses is skipped (0:
     never; on, it reads the loss every step), and `spike_rewind` such spikes in a row
     rewind to the last checkpoint.
@@ -135,7 +143,7 @@ class TrainConfig(_Section):
     eval_every: NonNegativeInt = 0
     time_budget: Union[Annotated[float, Meta(gt=0)], None] = None
     strategy: Literal["single", "ddp", "fsdp"] = "single"
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Literal["fp32", "bf16", "bf16-mixed", "bf16-true", "fp16"] = "fp32"
     compile: bool = False
     ema_decay: Union[Annotated[float, Meta(gt=0, lt=1)], None] = None
     eval_batches: PositiveInt = 4
@@ -154,7 +162,20 @@ class TrainConfig(_Section):
             raise ConfigError("model.n_embd", f"{self.model.n_embd} is not divisible by model.n_head={self.model.n_head}")
         if self.precision == "fp16":
             raise ConfigError("precision", "'fp16' needs loss scaling, which the Trainer does not run; use 'bf16'")
+        if self.precision == "bf16-true" and self.strategy == "fsdp":
+            raise ConfigError("precision", "'bf16-true' is not supported with strategy='fsdp' (FSDP2 keeps float32 "
+                              "sharded params and casts them to bf16 for compute itself); use precision='bf16'")
         self.build_optimizer()  # names and arguments are checked now, not at step 1
+
+    @property
+    def autocast(self) -> bool:
+        """Whether the forward and backward run under bf16 autocast ("bf16" or "bf16-mixed")."""
+        return self.precision in ("bf16", "bf16-mixed")
+
+    @property
+    def bf16_params(self) -> bool:
+        """Whether the params themselves are bf16, updated with compensation ("bf16-true")."""
+        return self.precision == "bf16-true"
 
     def build_schedule(self) -> Any:
         """The lr: `optimizer.lr`, or a `ps.*_schedule` of it as the schedule section says."""
@@ -364,6 +385,8 @@ def resume_changes(saved: dict[str, Any] | None, config: TrainConfig, step: int)
         if before == after:
             continue
         kept = any(field == k or field.startswith(k + ".") for k in _KEPT_ON_RESUME)
+        # bf16-true changes the params' dtype and the optimizer state's structure (the Kahan buffer).
+        kept = kept or (field == "precision" and (before == "bf16-true") != (after == "bf16-true"))
         if kept or (field == "ema_decay" and (before is None) != (after is None)):
             raise ConfigError(field, f"changed from {before!r} to {after!r} since the checkpoint; a resumed run "
                               "keeps it (set it back, or start a new run in another directory)")

@@ -107,8 +107,11 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
 
 
 def wrap(model: nn.Module, world: World, *, precision: str = "fp32") -> nn.Module:
-    """`model` on `world.device`, wrapped for the strategy (DDP, or FSDP2 per block then root)."""
-    model = model.to(world.device)
+    """`model` on `world.device` (cast to bf16 for precision "bf16-true"), wrapped for the
+    strategy (DDP, or FSDP2 per block then root; FSDP2 on CUDA casts to bf16 for "bf16")."""
+    if precision == "bf16-true" and world.strategy == "fsdp":
+        raise ValueError("precision='bf16-true' is not supported with strategy='fsdp'; use precision='bf16'")
+    model = model.to(world.device, dtype=torch.bfloat16 if precision == "bf16-true" else None)
     if world.strategy == "ddp":
         ids = [world.device.index] if world.device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=ids)
@@ -116,7 +119,7 @@ def wrap(model: nn.Module, world: World, *, precision: str = "fp32") -> nn.Modul
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         kwargs: dict[str, Any] = {}
-        if world.device.type == "cuda" and precision == "bf16":
+        if world.device.type == "cuda" and precision in ("bf16", "bf16-mixed"):
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in blocks_of(model):
             fully_shard(block, **kwargs)

@@ -9,7 +9,8 @@ One step, as `Trainer.train_step` spells it out:
     params, opt_state, ema = update(params, grads, opt_state, ema)
 
 `update` is `ps.make_update` of the transform wrapped in `ps.apply_if_finite`, so a
-non-finite step is skipped on the device; the lr is the transform's own injected
+non-finite step is skipped on the device (with precision "bf16-true" the transform ends
+in `ps.compensated_updates()`, so bf16 params do not drift); the lr is the transform's own injected
 schedule; the grad norm is `clip_by_global_norm`'s state. The loss, grad norm, lr and
 skip count are read from the device only when a log line is due. Everything else
 (logging, evaluation, checkpoints, preemption, the time budget) happens between steps.
@@ -58,7 +59,10 @@ class Trainer:
         of `model.blocks` / `layers` / `h` is sharded, then the root.
       transform: any `ps.Transform` (None: `config.build_optimizer()`, an injected
         schedule inside). `optimizer.clip_grad_norm` is chained in front of a given one,
-        and refused when it clips already. The Trainer wraps it in `ps.apply_if_finite`.
+        and refused when it clips already. With precision "bf16-true",
+        `ps.compensated_updates()` is chained behind it (a transform that already holds a
+        `ps.CompensatedUpdatesState`, e.g. `method="stochastic"`, is kept as it is). The
+        Trainer wraps it in `ps.apply_if_finite`.
       loss_fn: `loss_fn(model, batch) -> (loss_sum, tokens)`: the loss summed over the
         micro-batch's tokens and their count; gradients are divided by the token count of
         the whole global batch, so accumulation and data parallelism weight every token
@@ -71,7 +75,8 @@ class Trainer:
       eval_data: validation batches for an iterable `data` (a step-indexed source has its
         own `split="val"`).
       out: the run directory (metrics.jsonl, checkpoints/); None keeps nothing on disk.
-      ema: an averaging pair such as `ps.params_swa()` (None: `config.ema_decay`'s EMA, if any).
+      ema: an averaging pair such as `ps.params_swa()` (None: `config.ema_decay`'s EMA, if
+        any; in float32 for "bf16-true", where a bf16 average would stop moving).
       progress: progress on rank 0, a tqdm bar on a terminal, else a line per log (None: on).
       device: this rank's device (None: its GPU, else the CPU).
 
@@ -114,8 +119,11 @@ class Trainer:
             if _nodes(transform.init(params), ps.ClipByGlobalNormState):
                 raise ConfigError("optimizer.clip_grad_norm", "the given transform clips already; set it to None")
             transform = ps.chain(ps.clip_by_global_norm(cfg.optimizer.clip_grad_norm), transform)
+        if cfg.bf16_params and not _nodes(transform.init(params), ps.CompensatedUpdatesState):
+            transform = ps.chain(transform, ps.compensated_updates())  # last: it sees the final update
         self.transform = ps.apply_if_finite(transform)
-        ema = ema if ema is not None else (ps.params_ema(cfg.ema_decay) if cfg.ema_decay else None)
+        if ema is None and cfg.ema_decay:
+            ema = ps.params_ema(cfg.ema_decay, dtype=torch.float32 if cfg.bf16_params else None)
         # FSDP2 params are DTensors, which foreach copies do not support: update purely, then copy.
         self.update = ps.make_update(self.transform, compile=cfg.compile, donate=not self.fsdp, ema=ema)
         self.opt_state = self.transform.init(params)
@@ -150,8 +158,16 @@ class Trainer:
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         # FSDP2 on CUDA casts through its MixedPrecisionPolicy instead.
-        on = self.config.precision == "bf16" and not (self.fsdp and self.world.device.type == "cuda")
+        on = self.config.autocast and not (self.fsdp and self.world.device.type == "cuda")
         return torch.autocast(self.world.device.type, dtype=torch.bfloat16, enabled=on)
+
+    def _inputs(self, batch: Any) -> Any:
+        """`batch` on this rank's device; its floating tensors in bf16 when the params are ("bf16-true")."""
+        batch = to_device(batch, self.world.device)
+        if not self.config.bf16_params:
+            return batch
+        bf16 = lambda t: t.to(torch.bfloat16) if isinstance(t, Tensor) and t.is_floating_point() else t  # noqa: E731
+        return pytree.tree_map(bf16, batch)
 
     def _sync(self, last: bool) -> contextlib.AbstractContextManager:
         """Reduce gradients only on the last micro-batch."""
@@ -197,7 +213,7 @@ class Trainer:
         loss_sum, tokens = [], []
         for i, batch in enumerate(micro):
             with self._sync(i == len(micro) - 1), self._autocast():
-                ls, n = self._loss(to_device(batch, self.world.device))
+                ls, n = self._loss(self._inputs(batch))
             ls.backward()
             loss_sum.append(ls.detach().double())
             tokens.append(n.double())
@@ -272,7 +288,7 @@ class Trainer:
         total = torch.zeros(2, dtype=torch.float64, device=w.device)
         for batch in eval_batches(self.eval_data, batches or self.config.eval_batches, w.rank, w.size):
             with self._autocast():
-                ls, n = self._loss(to_device(batch, self.world.device))
+                ls, n = self._loss(self._inputs(batch))
             total += torch.stack([ls.double(), n.double()])
         self.model.train()
         loss_sum, n = D.all_reduce_sum(total, w).tolist()

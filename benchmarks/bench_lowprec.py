@@ -47,6 +47,9 @@ MOMENTS = {
     "8-bit": dict(mu_dtype=FP8, nu_dtype=FP8),
 }
 PEAK_LR, BETAS, WD, CLIP = 3e-3, (0.9, 0.95), 0.01, 1.0  # the demo's AdamW side
+# Bytes one AdamW step moves per param: read p, g, m, v and write p, m, v (8-bit: 1-byte
+# codes plus a float32 scale per 256 elements for each moment, read and written).
+STEP_BYTES = {"fp32": 28, "bf16": 20, "bf16 nearest": 20, "8-bit": 16 + 4 * 4 / 256}
 TARGETS = {"bf16 moments": 0.01, "bf16 params + Kahan": 0.01, "8-bit moments": 0.02}
 
 
@@ -225,6 +228,10 @@ def plot(runs: dict[str, dict], path: Path) -> None:
 # --------------------------------------------------------------------------- #
 
 
+def name_of(tag: str) -> str:
+    return f"lowprec-{tag}" if tag else "lowprec"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -236,6 +243,11 @@ def main() -> None:
     parser.add_argument("--val-batches", type=int, default=8)
     parser.add_argument("--no-compile", action="store_true", help="train eagerly (compiling 5 variants takes minutes on a CPU)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["bytes", "timing", "training", "peers"])
+    parser.add_argument("--only", nargs="*", default=None, help="train only these variants (names as printed)")
+    parser.add_argument("--merge", nargs="*", default=[], type=Path,
+                        help="training JSONs of runs split over processes (same settings, e.g. --only), joined into "
+                             "this run's table and plot (variants this run trains win)")
+    parser.add_argument("--tag", default="", help="results as <date>-lowprec-<tag>-<device>.* (parts run apart keep apart files)")
     args = parser.parse_args()
     device = torch.device(args.device)
     numel = int(args.size)
@@ -260,10 +272,11 @@ def main() -> None:
         times, first = step_times(numel, args.tensors, device, args.reps)
         rows = []
         for name, t in times.items():
-            rows.append([name, f"{1e3 * t:.1f}", f"{t / times['fp32']:.3f}", f"{first[name]:.1f}"])
+            rows.append([name, f"{1e3 * t:.1f}", f"{t / times['fp32']:.3f}", f"{STEP_BYTES[name] * numel / t / 1e9:.2f}",
+                         f"{first[name]:.1f}"])
             print(f"  {name:13s} {1e3 * t:8.1f} ms  {t / times['fp32']:.3f}x fp32")
         body.append(f"## Step time (AdamW, compiled and donated, {numel / 1e6:.0f}M params in {args.tensors} tensors, median of {args.reps})\n\n" + C.table(
-            ["moments", "ms/step", "ratio to fp32", "first call s"], rows))
+            ["moments", "ms/step", "ratio to fp32", "GB/s", "first call s"], rows))
 
     if "training" not in args.skip:
         cfg = demo_config()
@@ -271,16 +284,35 @@ def main() -> None:
                           seed=cfg.seed)
         val = [{k: v.to(device) for k, v in data.batch(i, split="val").items()} for i in range(args.val_batches)]
         eval_every = args.eval_every or max(1, args.steps // 8)
+        stem = f"{time.strftime('%Y-%m-%d')}-{name_of(args.tag)}-{device.type}"
+        C.RESULTS.mkdir(parents=True, exist_ok=True)
         runs = {}
-        for name in VARIANTS:
+
+        def done(name: str) -> None:  # the JSON grows variant by variant, so a run cut short keeps what it finished
+            print(f"  val loss {runs[name]['val'][-1][1]:.4f} ({runs[name]['seconds']:.0f} s)", flush=True)
+            (C.RESULTS / f"{stem}.json").write_text(json.dumps(
+                {n: {"val": r["val"], "train": r["train"], "seconds": r["seconds"]} for n, r in runs.items()}, indent=0))
+
+        wanted = (lambda name: True) if args.only is None else (lambda name: name in args.only)  # noqa: E731
+        for name in filter(wanted, VARIANTS):
             print(f"training: {name}", flush=True)
             runs[name] = train_ours(name, data, val, args.steps, eval_every, device, not args.no_compile)
-            print(f"  val loss {runs[name]['val'][-1][1]:.4f} ({runs[name]['seconds']:.0f} s)", flush=True)
+            done(name)
         if "peers" not in args.skip:
             for name, make in peers(args.steps).items():
-                print(f"training: {name}", flush=True)
-                runs[name] = train_peer(make, data, val, args.steps, eval_every, device)
-                print(f"  val loss {runs[name]['val'][-1][1]:.4f} ({runs[name]['seconds']:.0f} s)", flush=True)
+                if wanted(name):
+                    print(f"training: {name}", flush=True)
+                    runs[name] = train_peer(make, data, val, args.steps, eval_every, device)
+                    done(name)
+        for path in args.merge:
+            for name, r in json.loads(path.read_text()).items():
+                runs.setdefault(name, r)
+            print(f"merged: {path}")
+        order = [*VARIANTS, *(n for n in runs if n not in VARIANTS)]
+        runs = {n: runs[n] for n in order if n in runs}
+        if "fp32" not in runs:
+            print("no fp32 run to compare with (train it or --merge its JSON): JSON written, no table")
+            return
         base = runs["fp32"]["val"][-1][1]
         rows = []
         for name, r in runs.items():
@@ -290,11 +322,9 @@ def main() -> None:
             met = "" if target is None else ("yes" if gap <= target else "no")
             rows.append([name, f"{final:.4f}", f"{100 * gap:+.2f}%", "" if target is None else f"≤ {100 * target:.0f}%",
                          met, f"{r['seconds']:.0f}"])
-        stem = f"{time.strftime('%Y-%m-%d')}-lowprec-{device.type}"
-        C.RESULTS.mkdir(parents=True, exist_ok=True)
         plot(runs, C.RESULTS / f"{stem}.png")
-        (C.RESULTS / f"{stem}.json").write_text(json.dumps(
-            {n: {"val": r["val"], "train": r["train"]} for n, r in runs.items()}, indent=0))
+        if args.merge:  # the merged runs' JSON, with this run's, in one file
+            (C.RESULTS / f"{stem}.json").write_text(json.dumps(runs, indent=0))
         body.append(
             f"## Training quality (demo GPT, {args.steps} steps, AdamW peak lr {PEAK_LR}, warmup + cosine, "
             f"clip {CLIP}; val loss over {args.val_batches} fixed batches)\n\n"
@@ -304,7 +334,7 @@ def main() -> None:
         print(C.table(["variant", "final val loss", "vs fp32", "target", "met", "seconds"], rows))
 
     if body:
-        path = C.write_result("lowprec", "Low-precision optimizer state and bf16 params", device, "\n\n".join(body))
+        path = C.write_result(name_of(args.tag), "Low-precision optimizer state and bf16 params", device, "\n\n".join(body))
         print(f"results: {path}")
 
 

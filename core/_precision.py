@@ -59,8 +59,19 @@ def _int32(x: Tensor) -> Tensor:
     return (((x & _M32) ^ 0x80000000) - 0x80000000).to(torch.int32)
 
 
-def _random_bits(x: Tensor, key: Tensor | int) -> Tensor:
-    """32 random bits per element of `x` (int32, x's shape), a hash of (key, element index).
+def leaf_seed(key: Tensor | int, device: torch.device | None = None) -> Tensor:
+    """The 0-d int32 seed that `key` gives the per-element hash.
+
+    Compute it once per leaf and pass it (`seed=`) to every rounding of that leaf: a
+    compiled graph then computes the per-element hash once for all of them (two seeds
+    computed apart from one key are two buffers to inductor, which then hashes twice).
+    """
+    return _int32(_mix32(torch.as_tensor(key, dtype=torch.int64, device=device) & _M32))
+
+
+def _random_bits(x: Tensor, key: Tensor | int | None = None, *, seed: Tensor | None = None) -> Tensor:
+    """32 random bits per element of `x` (int32, x's shape), a hash of (key, element index)
+    (`seed`: `leaf_seed(key)`, computed once).
 
     The per-element work is int32, whose products wrap on every backend (CPU vector
     units, CUDA, Triton) and which CPUs without AVX-512 multiply natively, unlike int64;
@@ -71,7 +82,8 @@ def _random_bits(x: Tensor, key: Tensor | int) -> Tensor:
     n = x.numel()
     index = torch.arange(n, device=x.device, dtype=torch.int32 if n < 2**31 else torch.int64)
     index = index.to(torch.int32).view(x.shape)
-    seed = _int32(_mix32(torch.as_tensor(key, dtype=torch.int64, device=x.device) & _M32))
+    if seed is None:
+        seed = leaf_seed(key, x.device)
     h = (index ^ seed) * _C1_INT32
     h = h ^ ((h >> 15) & 0x1FFFF)
     h = h * _C2_INT32
@@ -122,17 +134,20 @@ def _round_grid(x: Tensor, dtype: torch.dtype, bits: Tensor | None) -> Tensor:
     return (below + up.to(torch.float32)) * _pow2(exponent - mantissa - 1)
 
 
-def round_to(x: Tensor, dtype: torch.dtype, key: Tensor | int | None = None, half: int = 0) -> Tensor:
-    """`x` rounded to `dtype`: stochastically with `key` (using the low or high 16 bits of
-    its hash, `half` 0 or 1, so two moments of one leaf share one hash), else to nearest
-    (ties to even).
+def round_to(
+    x: Tensor, dtype: torch.dtype, key: Tensor | int | None = None, half: int = 0, *, seed: Tensor | None = None
+) -> Tensor:
+    """`x` rounded to `dtype`: stochastically with `key` or its `seed` (`leaf_seed(key)`)
+    (using the low or high 16 bits of its hash, `half` 0 or 1, so two moments of one leaf
+    share one hash), else to nearest (ties to even).
 
     Computed with integer and exact power-of-two ops, so inductor cannot skip the
     rounding when it fuses this with later float32 math (it may skip a plain `.to()`
     round trip: `emulate_precision_casts` is off by default).
     """
     x32 = x.to(torch.float32)
-    bits = None if key is None else (_random_bits(x32, key) >> (16 * half)) & 0xFFFF
+    random = key is not None or seed is not None
+    bits = (_random_bits(x32, key, seed=seed) >> (16 * half)) & 0xFFFF if random else None
     y = _round_bf16(x32, bits) if dtype == torch.bfloat16 else _round_grid(x32, dtype, bits)
     return y.to(dtype)
 
@@ -208,11 +223,15 @@ def quantize_blockwise(
     """
     if dtype not in _FP8:
         raise ValueError(f"dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {dtype!r}")
+    return _quantize(x, dtype, None if key is None else leaf_seed(key, x.device), half)
+
+
+def _quantize(x: Tensor, dtype: torch.dtype, seed: Tensor | None, half: int) -> QuantizedTensor:
     fmax = torch.finfo(dtype).max
     blocks = _blocks(x.reshape(-1).to(torch.promote_types(x.dtype, torch.float32)))  # (blocks, 256)
     scale = blocks.abs().amax(dim=1) / fmax  # (blocks,)
     y = blocks / torch.where(scale > 0, scale, torch.ones_like(scale))[:, None]
-    codes = round_to(y, dtype, key, half) if key is not None else y.clamp(-fmax, fmax).to(dtype)
+    codes = round_to(y, dtype, half=half, seed=seed) if seed is not None else y.clamp(-fmax, fmax).to(dtype)
     return QuantizedTensor(codes.view(-1)[: x.numel()].view(x.shape), scale.to(torch.float32))
 
 
@@ -315,32 +334,35 @@ def load_moments(
 
 
 def moment_keys(count: Tensor, rounding: str, *moments: Any) -> list[Tensor] | None:
-    """The stochastic-rounding keys of the leaves of `moments` (trees like the params) at
-    update `count`; None when nothing is rounded stochastically (nearest, or no narrow leaf).
+    """The stochastic-rounding seeds (`leaf_seed(leaf_key(count, i))`) of the leaves of
+    `moments` (trees like the params) at update `count`; None when nothing is rounded
+    stochastically (nearest, or no narrow leaf).
 
     A block computes them once and passes them to every `store_moments` call, so a first
     and a second moment of one leaf share one per-element hash (compiled, it is computed once).
     """
     stored = [pytree.tree_leaves(m, is_leaf=_is_quantized) for m in moments]
     narrow = any(_is_quantized(m) or m.dtype in _NARROW for leaves in stored for m in leaves)
-    return [leaf_key(count, i) for i in range(len(stored[0]))] if rounding == "stochastic" and narrow else None
+    if rounding != "stochastic" or not narrow:
+        return None
+    return [leaf_seed(leaf_key(count, i)) for i in range(len(stored[0]))]
 
 
 def store_moments(xs: list[Tensor], moments: Any, keys: list[Tensor] | None, *, second: bool = False) -> Any:
     """New moments `xs` (compute dtype) stored like `moments`: narrowing rounds
-    stochastically with `keys` (from `moment_keys`), else to nearest; a `second` moment
-    takes the other 16 bits of each hash."""
+    stochastically with the seeds `keys` (from `moment_keys`), else to nearest; a `second`
+    moment takes the other 16 bits of each hash."""
     stored, spec = pytree.tree_flatten(moments, is_leaf=_is_quantized)
     half = int(second)
     out = []
     for i, (x, m) in enumerate(zip(xs, stored)):
-        key = None if keys is None else keys[i]
+        seed = None if keys is None else keys[i]
         if _is_quantized(m):
-            out.append(quantize_blockwise(torch.sqrt(x) if second else x, m.codes.dtype, key=key, half=half))
+            out.append(_quantize(torch.sqrt(x) if second else x, m.codes.dtype, seed, half))
         elif x.dtype == m.dtype:
             out.append(x)
-        elif key is not None and m.dtype in _NARROW:
-            out.append(round_to(x, m.dtype, key, half))
+        elif seed is not None and m.dtype in _NARROW:
+            out.append(round_to(x, m.dtype, half=half, seed=seed))
         else:
             out.append(x.to(m.dtype))
     return pytree.tree_unflatten(out, spec)

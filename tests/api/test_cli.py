@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from purestep.api.cli import main
 
@@ -113,6 +114,22 @@ def one_error_line(out: subprocess.CompletedProcess, *names: str) -> str:
     assert out.returncode == 2 and len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
     assert all(name in lines[0] for name in names), lines[0]
     return lines[0]
+
+
+def test_bf16_true_from_the_command_line_trains_bf16_params_and_checkpoints_the_kahan_buffer(tmp_path):
+    from purestep.api import load_checkpoint
+
+    assert run("demo", "--out", str(tmp_path), *TINY_DEMO, "--set", "precision=bf16-true") == 0
+    c = load_checkpoint(tmp_path / "checkpoints" / "step_00000004")
+    assert {p.dtype for p in c.params.values()} == {torch.bfloat16}
+    buffers = [k for k in c.opt_state if ".compensation." in k]
+    assert len(buffers) == len(c.params)
+
+
+def test_bf16_true_under_fsdp_is_one_line_naming_precision(capsys):
+    assert run("demo", "--set", "precision=bf16-true", "--set", "strategy=fsdp") == 2
+    err = capsys.readouterr().err.strip()
+    assert "precision: 'bf16-true' is not supported with strategy='fsdp'" in err and "\n" not in err
 
 
 def test_an_override_error_names_set(capsys):

@@ -147,6 +147,8 @@ def test_overrides_are_parsed_to_the_field_type(files):
         (["optimizer.lr=-0.1"], "optimizer.lr: Expected `float` >= 0.0"),
         (["strategy=fsdp2x"], "strategy: Invalid enum value 'fsdp2x'"),
         (["precision=fp8"], "precision: Invalid enum value 'fp8'"),
+        (["precision=fp16"], "precision: 'fp16' needs loss scaling"),
+        (["precision=bf16-true", "strategy=fsdp"], "precision: 'bf16-true' is not supported with strategy='fsdp'"),
         (["batch_size=0"], "batch_size: Expected `int` >= 1"),
         (["grad_accum=3"], "grad_accum: 3 does not divide batch_size=64"),
         (["model.n_head=3"], "model.n_embd: 64 is not divisible by model.n_head=3"),
@@ -170,6 +172,15 @@ def test_bad_configs_raise_naming_the_field(files, overrides, field):
         load_config(files / "run.toml", overrides)
     assert e.value.field == field.split(":")[0].replace("\\", "") or field == "expected key.sub=value"
     assert e.value.source.startswith(f"--set {overrides[0]}")  # an override's error names the override, not the file
+
+
+@pytest.mark.parametrize(
+    "precision, autocast, bf16_params",
+    [("fp32", False, False), ("bf16", True, False), ("bf16-mixed", True, False), ("bf16-true", False, True)],
+)
+def test_precision_says_whether_to_autocast_or_keep_bf16_params(precision, autocast, bf16_params):
+    cfg = apply_overrides(TrainConfig(), [f"precision={precision}"])
+    assert (cfg.precision, cfg.autocast, cfg.bf16_params) == (precision, autocast, bf16_params)
 
 
 def test_errors_in_the_file_name_the_file_and_the_field(files):

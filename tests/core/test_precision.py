@@ -85,6 +85,28 @@ def test_stochastic_round_is_the_same_compiled_and_under_vmap():
     assert torch.equal(compiled(x[0], keys[0]), ps.stochastic_round(x[0], torch.float16, keys[0]))
 
 
+@pytest.mark.parametrize("dtype", [BF16, FP8])
+def test_moments_round_with_the_bits_of_their_leaf_key_from_one_precomputed_seed(dtype):
+    # The blocks pass one int32 seed per leaf to both moments (so compiled code hashes
+    # once); the bits must still be those of the leaf's key: low 16 for mu, high 16 for nu.
+    from purestep.core import _precision as lp
+
+    like = lp.init_moments({"a": torch.zeros(5000), "b": torch.zeros(64, 80)}, dtype)
+    count = torch.tensor(4)
+    seeds = lp.moment_keys(count, "stochastic", like, like)
+    assert [s.dtype for s in seeds] == [torch.int32, torch.int32]
+    xs = [torch.rand(5000), torch.rand(64, 80)]  # >= 0: a second moment is stored as its square root
+    for second in (False, True):
+        stored = pytree.tree_leaves(lp.store_moments(xs, like, seeds, second=second), is_leaf=lp._is_quantized)
+        for i, (x, m) in enumerate(zip(xs, stored)):
+            key = lp.leaf_key(count, i)
+            if dtype == FP8:
+                want = lp.quantize_blockwise(x.sqrt() if second else x, dtype, key=key, half=int(second))
+                assert torch.equal(m.codes.view(torch.uint8), want.codes.view(torch.uint8)) and torch.equal(m.scale, want.scale)
+            else:
+                assert torch.equal(m, lp.round_to(x, dtype, key, int(second)))
+
+
 def test_stochastic_round_refuses_a_wide_dtype():
     with pytest.raises(ValueError, match="dtype"):
         ps.stochastic_round(torch.ones(2), torch.float32, 0)

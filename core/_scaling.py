@@ -19,7 +19,6 @@ from ._base import (
     Params,
     ScalarOrSchedule,
     Transform,
-    check_beta,
     check_betas,
     check_hyperparam,
     check_nonnegative,

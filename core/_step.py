@@ -15,6 +15,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from . import _flat
+from ._flat_step import FlatStep, FlatUpdate
 from . import _tree as tr
 from ._base import OptState, Params, PyTree, Transform
 
@@ -329,7 +330,7 @@ def make_update(
 
     inner = pure if not donate else in_place if compile else eager_in_place
     inner = _maybe_compile(inner, compile)
-    packed = _flat.FlatUpdate(optimizer, pure, averaging, _FLAT_OPTIONS) if compile and donate and flat else None
+    packed = FlatUpdate(optimizer, pure, averaging, _FLAT_OPTIONS) if compile and donate and flat else None
 
     def update(params: Params, grads: PyTree, opt_state: OptState, *ema_state: Any) -> tuple:
         nonlocal packed
@@ -492,7 +493,7 @@ def make_step(
         return metrics
 
     inner = _maybe_compile(in_place if donate else pure, compile)
-    packed = _flat.FlatStep(optimizer, pure, None, _FLAT_OPTIONS) if compile and donate and flat else None
+    packed = FlatStep(optimizer, pure, None, _FLAT_OPTIONS) if compile and donate and flat else None
 
     def step(params: Params, opt_state: OptState, batch: PyTree, buffers: PyTree = None) -> tuple:
         nonlocal packed

@@ -1,0 +1,254 @@
+"""Running a compiled, donated update over flat buffers (the layout is planned in `_flat`).
+
+`FlatUpdate` (make_update) and `FlatStep` (make_step) plan a layout once, allocate one
+buffer per group for params, grads and every state entry, re-point the user's tensors
+(`Tensor.set_`) to views into them, and run the compiled step on the buffers; on CUDA,
+from the second call on, as one CUDA-graph replay. The user keeps the same tensor
+objects with the same values; a param tensor replaced or moved (its address changed)
+makes the next call plan and bind anew.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Callable
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from . import _tree as tr
+from ._flat import Packed, Regroup, is_packed, plan
+
+
+def repoint_(user: Tensor, view: Tensor, what: str) -> None:
+    """Copy `user`'s values into `view`, then make `user` a view of the same memory."""
+    if user.shape != view.shape or user.dtype != view.dtype or user.device != view.device:
+        raise ValueError(
+            f"{what}: expected {tuple(view.shape)} {view.dtype} on {view.device}, got "
+            f"{tuple(user.shape)} {user.dtype} on {user.device}"
+        )
+    if aliases(user, view):
+        return
+    with torch.no_grad():
+        view.copy_(user)
+        user.set_(view)
+        source = getattr(user, "_purestep_source", None)  # functional_model's detached alias of a Parameter
+        if isinstance(source, Tensor) and source.shape == view.shape:
+            source.set_(view)
+
+
+def aliases(a: Tensor, b: Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+
+
+def bind_tree(user_tree: Any, packed_tree: Any, what: str) -> None:
+    """Point every tensor of `user_tree` into the matching memory of `packed_tree`."""
+    unpacked = pytree.tree_map(lambda x: x.unpack() if is_packed(x) else x, packed_tree, is_leaf=is_packed)
+    mine, spec = tr.tree_flatten_with_path(unpacked)
+    theirs, user_spec = tr.tree_flatten_with_path(user_tree)
+    if spec != user_spec:
+        raise ValueError(
+            f"{what} is not structured like the optimizer's state for these params "
+            f"(was it built by this optimizer's init?)"
+        )
+    for (path, view), (_, user) in zip(mine, theirs):
+        if isinstance(view, Tensor):
+            if not isinstance(user, Tensor):
+                raise ValueError(f"{what} leaf '{path}' is {type(user).__name__}, expected a tensor")
+            repoint_(user, view, f"{what} leaf '{path}'")
+
+
+class FlatUpdate:
+    """A compiled, donated update over packed buffers (see the module docstring).
+
+    `__call__(params, grads, opt_state[, ema_state])` updates the user's trees in place.
+    Built by `make_update` when `compile=True, donate=True`; `pure` is the update as a
+    pure function of trees, `averaging` an optional `(init, update)` pair."""
+
+    grads_in = True  # grads come from the caller (make_step computes its own)
+
+    def __init__(self, transform: Any, pure: Callable, averaging: Any, options: dict) -> None:
+        self.transform, self.pure, self.averaging, self.options = transform, pure, averaging, options
+        self.bound: dict[str, Any] | None = None
+
+    def layout(self) -> dict[str, list[str]]:
+        return {g.key: [m.path for m in g.members] for g in self.bound["groups"]}
+
+    # -- binding -------------------------------------------------------------
+    def plans(self, params: Any) -> bool:
+        """Whether the transform runs on packed buffers for these params."""
+        try:
+            plan(self.transform, params)
+            return True
+        except Regroup:
+            return False
+
+    def _bind(self, params: Any, opt_state: Any, ema_state: Any) -> None:
+        pack = plan(self.transform, params)
+        groups, spec = pack.groups, pack.orig_spec
+        pairs, _ = tr.tree_flatten_with_path(params)
+        p_buf = [torch.empty(g.shape, dtype=g.dtype, device=g.device) for g in groups]
+        # make_step computes its grads inside the step: no grad buffer to keep.
+        g_buf = [torch.zeros(g.shape, dtype=g.dtype, device=g.device) for g in groups] if self.grads_in else []
+        packed_params, packed_grads = Packed(pack, p_buf), (Packed(pack, g_buf) if self.grads_in else None)
+        bind_tree(params, packed_params, "params")
+        with torch.no_grad():
+            packed_state = self.transform.init(packed_params)
+            packed_ema = self.averaging[0](packed_params) if self.averaging is not None else None
+        bind_tree(opt_state, packed_state, "opt_state")
+        if self.averaging is not None:
+            bind_tree(ema_state, packed_ema, "ema_state")
+        trees = (packed_params, packed_grads, packed_state, packed_ema)
+        flat = [pytree.tree_flatten(t) for t in trees]
+        g_views = [v for g, b in zip(groups, g_buf) for v in g.views(b)] if self.grads_in else []
+        order = [m.index for g in groups for m in g.members]
+        self.bound = {
+            "groups": groups,
+            "specs": [s for _, s in flat],
+            "buffers": [leaves for leaves, _ in flat],
+            "grad_views": [g_views[order.index(i)] for i in range(len(order))] if g_views else [],
+            "params": [x for _, x in pairs],
+            "param_spec": spec,
+            "param_ptrs": [x.data_ptr() for _, x in pairs],
+            "state": opt_state,
+            "ema": ema_state,
+            "keys": list(params) if type(params) is dict else None,
+            "fn": self._compile([s for _, s in flat], groups[0].device if groups else torch.device("cpu")),
+            "calls": 0,
+            "graph": None,
+        }
+
+    def _compile(self, specs: list[pytree.TreeSpec], device: torch.device) -> Callable:
+        pure, averaging = self.pure, self.averaging
+
+        def step(p, g, s, e):
+            trees = [pytree.tree_unflatten(x, sp) for x, sp in zip((p, g, s, e), specs)]
+            out = pure(trees[0], trees[1], trees[2], trees[3] if averaging is not None else None)
+            for dst, src in zip((p, s, e), out):
+                _write_back(dst, src)
+
+        return _compile_own(step, self.options.get(device.type, {}))
+
+    def _grads_in(self, grads: Any) -> None:
+        views, keys = self.bound["grad_views"], self.bound["keys"]
+        if keys is not None and type(grads) is dict and list(grads) == keys:
+            leaves = list(grads.values())
+        else:
+            leaves = tr.check_match(grads, pytree.tree_unflatten(self.bound["params"], self.bound["param_spec"]))
+        stale = [(v, g) for v, g in zip(views, leaves) if g.data_ptr() != v.data_ptr() or g.shape != v.shape]
+        with torch.no_grad():
+            for v, g in stale:
+                if g._is_view():  # a view into someone else's buffer (DDP buckets): copy, leave it be
+                    v.copy_(g)
+                else:
+                    # One copy into the flat grad buffer; the grad tensor then views it, so a
+                    # `loss.backward()` after `zero_grad(set_to_none=False)` writes there directly.
+                    repoint_(g, v, "grads")
+
+    def _params_moved(self, params: Any) -> bool:
+        leaves = list(params.values()) if type(params) is dict else pytree.tree_leaves(params)
+        b = self.bound
+        return len(leaves) != len(b["params"]) or any(
+            x is not y or x.data_ptr() != ptr for x, y, ptr in zip(leaves, b["params"], b["param_ptrs"])
+        )
+
+    # -- the step --------------------------------------------------------------
+    def __call__(self, params: Any, grads: Any, opt_state: Any, ema_state: Any = None) -> None:
+        b = self.bound
+        if b is None or self._params_moved(params):
+            self._bind(params, opt_state, ema_state)
+            b = self.bound
+        self._take_in_state(opt_state, ema_state)
+        self._grads_in(grads)
+        _run(b, b["buffers"])
+
+    def _take_in_state(self, opt_state: Any, ema_state: Any) -> None:
+        b = self.bound
+        if opt_state is not b["state"]:
+            bind_tree(opt_state, pytree.tree_unflatten(b["buffers"][2], b["specs"][2]), "opt_state")
+            b["state"] = opt_state
+        if self.averaging is not None and ema_state is not b["ema"]:
+            bind_tree(ema_state, pytree.tree_unflatten(b["buffers"][3], b["specs"][3]), "ema_state")
+            b["ema"] = ema_state
+
+
+def _write_back(dst: Any, src: Any) -> None:
+    """Inside a compiled step: the new leaves of `src` into the buffers of `dst` (inductor
+    turns these copies into stores of the fused kernel)."""
+    pairs = [(d, n) for d, n in zip(pytree.tree_leaves(dst), pytree.tree_leaves(src)) if isinstance(d, Tensor) and d is not n]
+    if pairs:
+        torch._foreach_copy_([d for d, _ in pairs], [n for _, n in pairs])
+
+
+def _compile_own(fn: Callable, options: dict) -> Callable:
+    # Dynamo keeps compiled graphs per code object (8 at most): each step is its own
+    # program, so it gets its own code object rather than evicting the others'.
+    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, None, fn.__closure__)
+    return torch.compile(own, fullgraph=True, options=options)
+
+
+def _run(b: dict, args: list) -> Any:
+    """Call the compiled step; on CUDA, from the second call on, as one CUDA-graph replay
+    (every input lives at a fixed address: the buffers, and make_step's batch copies)."""
+    if not (b["buffers"][0] and b["buffers"][0][0].is_cuda):
+        return b["fn"](*args)
+    if b["graph"] is not None:
+        b["graph"].replay()
+        return b["graph_out"]
+    b["calls"] += 1
+    if b["calls"] < 2:  # compile and warm up outside a graph
+        return b["fn"](*args)
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        out = b["fn"](*args)
+    b["graph"], b["graph_out"] = graph, out
+    graph.replay()
+    return out
+
+
+class FlatStep(FlatUpdate):
+    """`make_step`'s compiled, donated step over packed buffers: the loss and grads are
+    taken on per-leaf views of the param buffers, the grads packed, then the update runs
+    on the buffers as in `FlatUpdate`. `pure(params, opt_state, batch, buffers, with_buffers)`
+    is make_step's pure step, which accepts packed params."""
+
+    grads_in = False
+
+    def _compile(self, specs: list[pytree.TreeSpec], device: torch.device) -> Callable:
+        pure, p_spec, s_spec = self.pure, specs[0], specs[2]
+
+        def step(p, s, batch, buffers, with_buffers):
+            params, state = pytree.tree_unflatten(p, p_spec), pytree.tree_unflatten(s, s_spec)
+            new_params, new_state, metrics, new_buffers = pure(params, state, batch, buffers, with_buffers)
+            for dst, src in ((p, new_params), (s, new_state)) + (((buffers, new_buffers),) if with_buffers else ()):
+                _write_back(dst, src)
+            return metrics
+
+        return _compile_own(step, self.options.get(device.type, {}))
+
+    def __call__(self, params: Any, opt_state: Any, batch: Any, buffers: Any = None, with_buffers: bool = False) -> dict:
+        b = self.bound
+        if b is None or self._params_moved(params):
+            self._bind(params, opt_state, None)
+            b = self.bound
+        self._take_in_state(opt_state, None)
+        p, s = b["buffers"][0], b["buffers"][2]
+        if not (p and p[0].is_cuda):
+            return b["fn"](p, s, batch, buffers, with_buffers)
+        # A CUDA graph reads its inputs at fixed addresses: the batch (and buffers) are
+        # copied into tensors the graph owns; a new structure or shape captures anew.
+        key = (pytree.tree_structure((batch, buffers)), [getattr(x, "shape", x) for x in pytree.tree_leaves((batch, buffers))])
+        if b.get("input_key") != key:
+            b["input_key"], b["graph"], b["calls"] = key, None, 0
+            b["inputs"] = pytree.tree_map(lambda x: x.clone() if isinstance(x, Tensor) else x, (batch, buffers))
+        else:
+            pairs = [(d, x) for d, x in zip(pytree.tree_leaves(b["inputs"]), pytree.tree_leaves((batch, buffers))) if isinstance(d, Tensor)]
+            torch._foreach_copy_([d for d, _ in pairs], [x for _, x in pairs])
+        static_batch, static_buffers = b["inputs"]
+        metrics = _run(b, [p, s, static_batch, static_buffers, with_buffers])
+        if with_buffers:  # donated buffers: the caller's tensors get the new values
+            torch._foreach_copy_(pytree.tree_leaves(buffers), pytree.tree_leaves(static_buffers))
+        # The graph rewrites its outputs on every replay: hand out copies.
+        return pytree.tree_map(lambda x: x.clone() if isinstance(x, Tensor) else x, metrics)

@@ -279,7 +279,14 @@ def plan(transform: Any, params: Any, *, max_rounds: int = 8) -> PackSpec:
     """The grouping of `params`' leaves under which `transform` runs on packed buffers.
 
     Runs `init` and one `update` on tiny stand-ins; each `Regroup` refines the tags.
-    Raises `Regroup` with a `reason` when the transform cannot run packed."""
+    Raises `Regroup` with a `reason` when the transform cannot run packed. The dry runs
+    happen on the CPU, under a forked RNG: a transform that draws from the global RNG
+    leaves the caller's stream where it was."""
+    with torch.random.fork_rng(devices=[]):
+        return _plan(transform, params, max_rounds)
+
+
+def _plan(transform: Any, params: Any, max_rounds: int) -> PackSpec:
     pairs, spec = tr.tree_flatten_with_path(params)
     leaves = [(p, x) for p, x in pairs]
     tags: list[tuple] = [() for _ in leaves]

@@ -85,6 +85,21 @@ def test_a_transform_with_undeclared_per_leaf_math_keeps_the_per_leaf_path():
     assert len(_flat.plan(ps.chain(ps.clip_by_global_norm(1.0), ps.sgd(0.1)), _tree(2, 0)).groups) == 1
 
 
+def test_planning_leaves_the_global_rng_where_it_was():
+    from purestep.core import _flat
+
+    def noisy() -> ps.Transform:  # a user's transform that draws from the global RNG
+        return ps.Transform(lambda p: (), lambda g, s, p=None, **e: (ps.tree_map(lambda x: x + torch.randn(x.shape, dtype=x.dtype), g), s))
+
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    try:
+        _flat.plan(ps.chain(noisy(), ps.sgd(0.1)), _tree(2, 0))
+    except _flat.Regroup:
+        pass  # whether it runs packed is not the point here
+    assert torch.equal(torch.get_rng_state(), before)
+
+
 def test_state_leaves_alias_the_buffers_and_new_state_trees_are_taken_in():
     opt = ps.inject_hyperparams(ps.adamw)(lr=1e-2)
     (p, s, _), (p_ref, s_ref, _), fast = _run(opt, n_steps=2, every=lambda k, st: ps.set_hyperparam(st, "lr", 0.05) if k == 1 else st)

@@ -10,6 +10,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from . import _flat
+from . import _lists as ls
 from . import _tree as tr
 from ._base import EmptyState, OptState, Params, PyTree, Transform, as_float64, leaf_device, resolve, zero_count
 
@@ -67,7 +68,7 @@ def chain(*transforms: Transform) -> Transform:
             owned = (
                 i + 1 < len(transforms)
                 and in_place[i + 1] is not None
-                and (owned or tr.owned(tr.tree_leaves(new_grads), grads, s, new_s, params, extra))
+                and (owned or ls.owned(tr.tree_leaves(new_grads), grads, s, new_s, params, extra))
             )
             grads = new_grads
         return grads, tuple(new_state)
@@ -418,7 +419,7 @@ def apply_if_finite(inner: Transform, max_consecutive: int | None = None) -> Tra
     def update(grads, state, params=None, **extra):
         updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
         floats = [x for x in pytree.tree_leaves(inner_state) if isinstance(x, Tensor) and x.is_floating_point()]
-        finite = tr.all_finite(pytree.tree_leaves(grads) + floats).to(state.last_finite.device)
+        finite = ls.all_finite(pytree.tree_leaves(grads) + floats).to(state.last_finite.device)
         notfinite = torch.where(finite, torch.zeros_like(state.notfinite_count), state.notfinite_count + 1)
         apply = finite if max_consecutive is None else finite | (notfinite > max_consecutive)
         updates = pytree.tree_map(lambda u: torch.where(apply, u, torch.zeros_like(u)), updates)
@@ -452,9 +453,9 @@ def accumulate(inner: Transform, every: int) -> Transform:
     def update(grads, state, params=None, **extra):
         gs = tr.check_match(grads, state.acc_grads, "grads", "params")
         acc, spec = pytree.tree_flatten(state.acc_grads)
-        summed = tr.add(acc, gs)
+        summed = ls.add(acc, gs)
         ready = state.mini_step == every - 1
-        mean = pytree.tree_unflatten(tr.mul(summed, 1.0 / every), spec)
+        mean = pytree.tree_unflatten(ls.mul(summed, 1.0 / every), spec)
         updates, inner_state = inner.update(mean, state.inner_state, params, **extra)
         updates = pytree.tree_map(lambda u: torch.where(ready, u, torch.zeros_like(u)), updates)
         inner_state = _select_tree(ready, inner_state, state.inner_state)

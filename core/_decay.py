@@ -10,6 +10,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from . import _flat
+from . import _lists as ls
 from . import _tree as tr
 from ._base import (
     EmptyState,
@@ -67,7 +68,7 @@ def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0, mask: Any = None) 
         else:
             wd = weight_decay
         # `owned`: `chain` passes updates that are its own, so u += λ·p runs in place.
-        out = tr.axpy_(wd, ps_, us) if owned else tr.cast_like(tr.axpy(wd, ps_, us), us)
+        out = ls.axpy_(wd, ps_, us) if owned else ls.cast_like(ls.axpy(wd, ps_, us), us)
         return pytree.tree_unflatten(out, spec), state
 
     def update(grads, state, params=None, **extra):
@@ -243,10 +244,10 @@ def scale_per_leaf(multipliers: Any) -> Transform:
             factors = _flat.rule_per_group(grads, multipliers, lambda proxy: _multipliers_per_leaf(multipliers, proxy))
         else:
             factors = _multipliers_per_leaf(multipliers, grads)
-        if tr.use_foreach(gs) and all(is_static(f) for f in factors):
+        if ls.use_foreach(gs) and all(is_static(f) for f in factors):
             out = list(torch._foreach_mul(gs, [float(f) for f in factors]))
         else:
             out = [g * f for g, f in zip(gs, factors)]
-        return pytree.tree_unflatten(tr.cast_like(out, gs), spec), state
+        return pytree.tree_unflatten(ls.cast_like(out, gs), spec), state
 
     return Transform(init, update)

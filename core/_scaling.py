@@ -13,6 +13,7 @@ from torch import Tensor
 
 from . import _flat
 from . import _precision as lp
+from . import _lists as ls
 from . import _tree as tr
 from ._base import (
     EmptyState,
@@ -47,7 +48,7 @@ def scale(factor: float | Tensor) -> Transform:
 
     def step(grads, state, owned: bool):
         leaves, spec = pytree.tree_flatten(grads)  # `owned`: the chain's own updates, scaled in place
-        return pytree.tree_unflatten(tr.cast_like((tr.mul_ if owned else tr.mul)(leaves, factor), leaves), spec), state
+        return pytree.tree_unflatten(ls.cast_like((ls.mul_ if owned else ls.mul)(leaves, factor), leaves), spec), state
 
     def update(grads, state, params=None, **extra):
         return step(grads, state, False)
@@ -95,7 +96,7 @@ def scale_by_lr(lr: ScalarOrSchedule) -> Transform:
         else:
             value = lr
         # `owned`: `chain` passes updates that are its own, so u ← -η·u runs in place.
-        return pytree.tree_unflatten(tr.cast_like((tr.mul_ if owned else tr.mul)(leaves, -value), leaves), spec), state
+        return pytree.tree_unflatten(ls.cast_like((ls.mul_ if owned else ls.mul)(leaves, -value), leaves), spec), state
 
     def update(grads, state, params=None, **extra):
         return step(grads, state, False)
@@ -154,11 +155,11 @@ def trace(
             first = (state.count == 0) | (torch.as_tensor(m) == 0)
             first = first.to(torch.float64)
             g_coef = first + (1.0 - first) * (1.0 - dampening)
-            new = tr.lincomb(m, ts, g_coef, wide)
+            new = ls.lincomb(m, ts, g_coef, wide)
         else:
-            new = tr.axpy(m, ts, wide)
-        new = tr.cast_like(new, wide)
-        out = tr.cast_like(tr.axpy(m, new, wide) if nesterov else new, gs)
+            new = ls.axpy(m, ts, wide)
+        new = ls.cast_like(new, wide)
+        out = ls.cast_like(ls.axpy(m, new, wide) if nesterov else new, gs)
         stored = lp.store_moments(new, state.trace, lp.moment_keys(state.count, rounding, state.trace))
         return pytree.tree_unflatten(out, spec), TraceState(state.count + 1, stored)
 
@@ -226,7 +227,7 @@ def scale_by_adam(
         bc1 = 1.0 - beta1**t
         bc2 = 1.0 - beta2**t
         plain = None if amsgrad or eps_root else _plain_moments(grads, state.mu, state.nu, params)
-        if plain is not None and tr.leafwise([*plain[0], *plain[1], *plain[2]], beta1, beta2, eps):
+        if plain is not None and ls.leafwise([*plain[0], *plain[1], *plain[2]], beta1, beta2, eps):
             gs, mu, nu, spec = plain
             mu, nu, out = _adam_leafwise(gs, mu, nu, beta1, beta2, bc1, bc2, eps)
             mu, nu = pytree.tree_unflatten(mu, spec), pytree.tree_unflatten(nu, spec)
@@ -297,17 +298,17 @@ def _adam_foreach(grads, gs, wide, mu, nu, beta1, beta2, bc1, bc2, eps, eps_root
 
     Returns new μ, ν and updates (and the new ν_max when `nu_max` is the stored one).
     """
-    mu = tr.cast_like(tr.ema(mu, wide, beta1), wide)
-    nu = tr.cast_like(tr.ema_sq(nu, wide, beta2), wide)
+    mu = ls.cast_like(ls.ema(mu, wide, beta1), wide)
+    nu = ls.cast_like(ls.ema_sq(nu, wide, beta2), wide)
     if nu_max is not None:
         nu_max = [torch.maximum(a, b) for a, b in zip(lp.load_moments(grads, nu_max, second=True)[2], nu)]
     # u = (m / bc1) / (√(v / bc2 + eps_root) + eps)
     # (intermediates are updated in place: in eager mode allocation costs more than math)
-    denom = tr.mul(nu if nu_max is None else nu_max, 1.0 / bc2)
+    denom = ls.mul(nu if nu_max is None else nu_max, 1.0 / bc2)
     if eps_root:
-        denom = tr.add_scalar_(denom, eps_root)
-    denom = tr.add_scalar_(tr.sqrt_(denom), eps)
-    out = tr.cast_like(tr.mul_(tr.div_into_(mu, denom), 1.0 / bc1), gs)
+        denom = ls.add_scalar_(denom, eps_root)
+    denom = ls.add_scalar_(ls.sqrt_(denom), eps)
+    out = ls.cast_like(ls.mul_(ls.div_into_(mu, denom), 1.0 / bc1), gs)
     return mu, nu, (out if nu_max is None else (out, nu_max))
 
 
@@ -339,8 +340,8 @@ def scale_by_lion(
         gs, wide, mu = lp.load_moments(grads, state.mu, params)
         spec = pytree.tree_structure(grads)
         beta1, beta2 = resolve(b1, state.count), resolve(b2, state.count)
-        out = tr.cast_like(tr.sign(tr.ema(mu, wide, beta1)), gs)
-        mu = tr.cast_like(tr.ema(mu, wide, beta2), wide)
+        out = ls.cast_like(ls.sign(ls.ema(mu, wide, beta1)), gs)
+        mu = ls.cast_like(ls.ema(mu, wide, beta2), wide)
         stored = lp.store_moments(mu, state.mu, lp.moment_keys(state.count, rounding, state.mu))
         return pytree.tree_unflatten(out, spec), ScaleByLionState(state.count + 1, stored)
 
@@ -363,8 +364,8 @@ def scale_by_trust_ratio(*, min_norm: float = 0.0, trust_coefficient: float = 1.
         ps_ = tr.check_match(params, grads, "params", "grads", dtype=False)
         us, spec = pytree.tree_flatten(grads)
         stacked = _flat.stacked_leaves(grads)
-        p_norm = [torch.clamp(n, min=min_norm) for n in tr.member_norms(ps_, stacked)]
-        u_norm = [torch.clamp(n, min=min_norm) for n in tr.member_norms(us, stacked)]
+        p_norm = [torch.clamp(n, min=min_norm) for n in ls.member_norms(ps_, stacked)]
+        u_norm = [torch.clamp(n, min=min_norm) for n in ls.member_norms(us, stacked)]
         ratios = [
             torch.where((pn == 0) | (un == 0), torch.ones_like(pn), trust_coefficient * pn / (un + eps))
             for pn, un in zip(p_norm, u_norm)

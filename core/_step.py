@@ -15,6 +15,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from . import _flat
+from . import _lists as ls
 from . import _tree as tr
 from ._base import OptState, Params, PyTree, Transform
 
@@ -141,7 +142,7 @@ def _copy_into(dst_tree: PyTree, src_tree: PyTree, what: str) -> None:
     with torch.no_grad():
         # DTensor (FSDP2 params) has no sharding rule for `_foreach_copy_`: copy leaf by leaf.
         plain = all(type(d) in (Tensor, torch.nn.Parameter) for d, _ in pairs)
-        if plain and tr.use_foreach([d for d, _ in pairs]):
+        if plain and ls.use_foreach([d for d, _ in pairs]):
             torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
         else:
             for d, s in pairs:
@@ -150,7 +151,7 @@ def _copy_into(dst_tree: PyTree, src_tree: PyTree, what: str) -> None:
 
 def _storages(*trees: Any) -> set[int]:
     """The addresses of the storages behind every tensor leaf of `trees`."""
-    return {x.untyped_storage().data_ptr() for x in tr.tensors_in(*trees) if type(x) in (Tensor, torch.nn.Parameter)}
+    return {x.untyped_storage().data_ptr() for x in ls.tensors_in(*trees) if type(x) in (Tensor, torch.nn.Parameter)}
 
 
 def _leaf_pairs(dst: Any, src: Any, out: list) -> bool:

@@ -44,13 +44,37 @@ def leafwise(xs: Sequence[Tensor], *scalars: Scalar) -> bool:
     leaves once per op; running every op of one leaf before the next keeps that leaf's
     intermediates in cache (10M fp32 params in 50 leaves: AdamW's leaf math 15% faster).
     Only in eager mode (compiled code plans its own loops; vmap needs the per-leaf ops of
-    `use_foreach`'s fallback anyway) and with nothing that autograd records.
+    `use_foreach`'s fallback anyway) and with nothing that autograd records. The device is
+    the first leaf's: leaves elsewhere would run the same per-leaf ops correctly, only slower.
     """
-    if not _owned_inplace(list(xs)) or any(x.device.type != "cpu" for x in xs):
+    if not _owned_inplace(list(xs)) or xs[0].device.type != "cpu":
         return False
     if not torch.is_grad_enabled():
         return True
     return not any(x.requires_grad for x in xs) and not any(getattr(s, "requires_grad", False) for s in scalars)
+
+
+# Elements per block of `cache_blocks`: AdamW's five arrays of a block (g, m, v, p and a
+# temporary, 1.25 MiB in fp32) stay in cache. On a 2-core EPYC (1 MiB L2, 8 MiB L3), 1M
+# params in 50 leaves: 32K-128K elements per block 0.66-0.76x torch's foreach step, one
+# leaf per block 0.79x, one block for all 0.89x.
+CACHE_BLOCK = 1 << 16
+
+
+def cache_blocks(xs: Sequence[Tensor]) -> list[tuple[int, int]]:
+    """`(start, stop)` ranges of consecutive leaves of about `CACHE_BLOCK` elements (a
+    larger leaf alone): eager CPU math runs every op of a block before the next block, so
+    its intermediates stay in cache, with one foreach call per op and block rather than one
+    per op and leaf (Python overhead, for many small leaves)."""
+    out, lo, size = [], 0, 0
+    for i, x in enumerate(xs):
+        size += x.numel()
+        if size >= CACHE_BLOCK:
+            out.append((lo, i + 1))
+            lo, size = i + 1, 0
+    if lo < len(xs):
+        out.append((lo, len(xs)))
+    return out
 
 
 def tensors_in(*trees: Any) -> list[Tensor]:
@@ -117,6 +141,56 @@ def axpy_(a: Scalar, xs: list[Tensor], ys: list[Tensor]) -> list[Tensor]:
     else:
         torch._foreach_add_(ys, torch._foreach_mul(xs, a))
     return ys
+
+
+def is_one(s: Scalar) -> bool:
+    """`s` is the number 1 (a multiply by it can be skipped); a 0-d tensor never is (no sync)."""
+    return not isinstance(s, Tensor) and s == 1
+
+
+def is_zero(s: Scalar) -> bool:
+    """`s` is the number 0; a 0-d tensor never is (no sync)."""
+    return not isinstance(s, Tensor) and s == 0
+
+
+def affine_(x: Scalar, us: list[Tensor], y: Scalar, ps: list[Tensor]) -> list[Tensor]:
+    """u ← x·u + y·p, in `us` where it can: call only on a `us` you own (see `owned`);
+    `us` keep their dtypes. The same ops, in the same order, as `scale` (u·x) then
+    `add_decayed_weights` (u + y·p) out of place, so the results are bitwise theirs."""
+    if not is_one(x):
+        us = mul_(us, x)
+    if not is_zero(y):
+        us = axpy_(y, ps, us)
+    return us
+
+
+def scale_add_(ps: list[Tensor], a: Scalar, b: Scalar, us: list[Tensor]) -> None:
+    """p ← a·p + b·u in place (the params of a donated step; nothing autograd records)."""
+    with torch.no_grad():
+        foreach = use_foreach(ps)
+        if not is_one(a):
+            if foreach:
+                torch._foreach_mul_(ps, a)
+            else:
+                for p in ps:
+                    p.mul_(a)
+        if is_one(b):
+            if foreach:
+                torch._foreach_add_(ps, us)
+            else:
+                for p, u in zip(ps, us):
+                    p.add_(u)
+        elif not isinstance(b, Tensor):
+            if foreach:
+                torch._foreach_add_(ps, us, alpha=b)
+            else:
+                for p, u in zip(ps, us):
+                    p.add_(u, alpha=b)
+        elif foreach and ps[0].device.type != "cpu":
+            torch._foreach_add_(ps, torch._foreach_mul(us, b))
+        else:  # per leaf with b as a 0-d tensor operand: no temporary b·u list, no read of b
+            for p, u in zip(ps, us):
+                p.addcmul_(u, b)
 
 
 def sqrt_(xs: list[Tensor]) -> list[Tensor]:

@@ -498,7 +498,7 @@ def make_step(
             aux, buffers = aux
         return grads, loss, aux, buffers
 
-    def pure(params, opt_state, batch, buffers=None, with_buffers=False):
+    def loss_and_grads(params, batch, buffers, with_buffers):
         # Flat buffers (`FlatStep`): the loss sees per-leaf views; the grads are packed after.
         named = params.unpack() if _flat.is_packed(params) else params
         if micro_batches == 1:
@@ -515,15 +515,21 @@ def make_step(
             aux = pytree.tree_map(lambda *xs: torch.stack(xs), *auxes) if has_aux else None
         if _flat.is_packed(params):
             grads = _flat.pack_like(params, grads)
-        grad_norm = tr.tree_global_norm(grads)
-        new_params, new_state, updates = _apply(optimizer, params, grads, opt_state)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "update_norm": tr.tree_global_norm(updates)}
+        return grads, loss, aux, buffers
+
+    def metrics_of(loss, grads, aux, updates, new_state):
+        metrics = {"loss": loss, "grad_norm": tr.tree_global_norm(grads), "update_norm": tr.tree_global_norm(updates)}
         lr = _lr_metric(new_state)
         if lr is not None:
             metrics["lr"] = lr
         if has_aux:
             metrics["aux"] = aux
-        return new_params, new_state, metrics, buffers
+        return metrics
+
+    def pure(params, opt_state, batch, buffers=None, with_buffers=False):
+        grads, loss, aux, buffers = loss_and_grads(params, batch, buffers, with_buffers)
+        new_params, new_state, updates = _apply(optimizer, params, grads, opt_state)
+        return new_params, new_state, metrics_of(loss, grads, aux, updates, new_state), buffers
 
     def in_place(params, opt_state, batch, buffers=None, with_buffers=False):
         new_params, new_state, metrics, new_buffers = pure(params, opt_state, batch, buffers, with_buffers)
@@ -533,7 +539,21 @@ def make_step(
             _copy_into(buffers, new_buffers, "buffers")
         return metrics
 
-    inner = _maybe_compile(in_place if donate else pure, compile)
+    def eager_in_place(params, opt_state, batch, buffers=None, with_buffers=False):
+        # Uncompiled donation, as make_update's: p += u in place and the state leaves adopt
+        # the storage of their new values (the updates themselves are kept for
+        # `update_norm`, so no folding into the apply: bitwise the pure step's results).
+        grads, loss, aux, new_buffers = loss_and_grads(params, batch, buffers, with_buffers)
+        updates, new_state = optimizer.update(grads, opt_state, params)
+        metrics = metrics_of(loss, grads, aux, updates, new_state)
+        tr.apply_updates_(params, updates)
+        _adopt_into(opt_state, new_state, "opt_state", _Taken(params, grads, opt_state, buffers, new_buffers))
+        if with_buffers:  # copied: functional_model's buffers share storage with the module
+            _copy_into(buffers, new_buffers, "buffers")
+        return metrics
+
+    inner = pure if not donate else in_place if compile else eager_in_place
+    inner = _maybe_compile(inner, compile)
     packed = _flat.FlatStep(optimizer, pure, None, _FLAT_OPTIONS) if compile and donate and flat else None
 
     def step(params: Params, opt_state: OptState, batch: PyTree, buffers: PyTree = None) -> tuple:

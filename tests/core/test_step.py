@@ -221,6 +221,35 @@ def test_donated_step_updates_inputs_in_place_and_returns_them():
     torch.testing.assert_close(model[0].weight.detach(), params["0.weight"])
 
 
+def test_eager_donated_step_adopts_new_state_storage_and_equals_the_pure_step_bitwise():
+    # Without compile, a donated step adds the updates into the params in place (the module
+    # trains: functional_model's params share its storage) and lets large state leaves adopt
+    # their new values' storage: the same tensor objects, bitwise the pure step's values.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(200, 100)  # a 20000-element weight: its moments are adopted, not copied
+    apply_fn, params, buffers = ps.functional_model(model)
+    loss_fn = mse_loss_fn(apply_fn, buffers)
+    opt = ps.inject_hyperparams(ps.adamw)(1e-2, weight_decay=0.1)
+    pure, donated = ps.make_step(loss_fn, opt), ps.make_step(loss_fn, opt, donate=True)
+    state, p_ref, s_ref = opt.init(params), clone(params), opt.init(params)
+    mu = ps.tree_get(state, "mu")["weight"]
+    mu_storage = mu.data_ptr()
+    before = pytree.tree_leaves((params, state))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        batch = (torch.randn(8, 200, generator=g), torch.randn(8, 100, generator=g))
+        out = donated(params, state, batch)
+        p_ref, s_ref, m_ref = pure(p_ref, s_ref, batch)
+        assert out[0] is params and out[1] is state
+        for k in ("loss", "grad_norm", "update_norm", "lr"):
+            assert torch.equal(out[2][k], m_ref[k]), k
+    assert all(x is y for x, y in zip(pytree.tree_leaves((params, state)), before))
+    assert ps.tree_get(state, "mu")["weight"] is mu and mu.data_ptr() != mu_storage  # adopted, not copied
+    for (path, x), y in zip(ps.tree_flatten_with_path((params, state))[0], pytree.tree_leaves((p_ref, s_ref))):
+        assert torch.equal(x, y), path
+    assert torch.equal(model.weight.detach(), params["weight"])
+
+
 def test_make_update_with_ema_equals_the_separate_pieces():
     torch.manual_seed(0)
     params = {"w": torch.randn(4, 3, dtype=torch.float64), "b": torch.randn(3, dtype=torch.float64)}

@@ -3,7 +3,8 @@
 Each op takes lists of tensors and float-or-0-d-tensor scalars. In eager mode it runs
 as one `torch._foreach_*` kernel per op; under a `torch.func` transform (vmap has no
 foreach rule) the same math runs per leaf. The `_`-suffixed forms write into a list the
-caller owns; `leafwise` says when eager CPU math may run leaf by leaf instead.
+caller owns (`scale_add_`: into the params of a donated step); `leafwise` says when eager
+CPU math may run leaf by leaf instead, `cache_blocks` in blocks of leaves that stay in cache.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def _owned_inplace(xs: list[Tensor]) -> bool:
 
 
 def leafwise(xs: Sequence[Tensor], *scalars: Scalar) -> bool:
-    """Whether eager CPU math may run leaf by leaf, in place on its own intermediates.
+    """Whether eager CPU math may run leaf by leaf (or block of leaves by block, see
+    `cache_blocks`), in place on its own intermediates.
 
     On CPU a foreach kernel is a loop over the leaves, so a chain of them sweeps all the
     leaves once per op; running every op of one leaf before the next keeps that leaf's

@@ -86,8 +86,10 @@ class Optimizer(torch.optim.Optimizer):
 
     How it runs: each group's update is `ps.make_update(transform, compile=..., donate=True)`,
     writing params and state in place. `compile=None` compiles a group of at least
-    `AUTO_COMPILE_NUMEL` (4M) elements and runs smaller ones eagerly; the first compiled step
-    costs the compile (tens of seconds on a CPU, see the README), later ones run fused kernels
+    `AUTO_COMPILE_NUMEL` (4M) elements and runs smaller ones eagerly (AdamW there runs
+    torch's in-place step, equal to the pure update to rounding: see `ps.make_update`); the
+    first compiled step costs the compile (tens of seconds on a CPU, see the README), later
+    ones run fused kernels
     over flat buffers: the params, their grads and the state are re-pointed into a few
     contiguous buffers (see `ps.make_update`), so after `zero_grad(set_to_none=False)` a
     backward writes straight into the update's grad buffer; with the default

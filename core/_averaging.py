@@ -12,6 +12,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from . import _lists as ls
 from . import _tree as tr
 from ._base import Params, ScalarOrSchedule, check_hyperparam, is_static, leaf_device, resolve, zero_count
 
@@ -46,8 +47,8 @@ def _lerp(ms: list[Tensor], xs: list[Tensor], w: Tensor, keep: Tensor) -> list[T
     fm, fx = [ms[i] for i in floats], [xs[i] for i in floats]
     # m + w·(x - m) with m zeroed on the first update (count 0, w = 1), which then copies x exactly
     refs = fm
-    fm = tr.mul(fm, keep)
-    res = tr.cast_like(tr.axpy(w, tr.sub(fx, fm), fm), refs)  # a 0-d leaf stays in its dtype
+    fm = ls.mul(fm, keep)
+    res = ls.cast_like(ls.axpy(w, ls.sub(fx, fm), fm), refs)  # a 0-d leaf stays in its dtype
     for i, r in zip(floats, res):
         out[i] = r
     return out

@@ -30,6 +30,20 @@ class Transform(NamedTuple):
     Updates are added to params (`apply_updates`). `update` ignores `extra`
     keywords it does not know, so transforms compose under `chain`.
 
+    Two optional fields let an eager donated step (`make_update(..., donate=True)`
+    without compile) apply the update in place without materializing it. `update` stays
+    the definition; a transform without them (None, the default) only runs slower there,
+    and one rebuilt with a new `update` (`t._replace(update=...)`) must drop them:
+
+    - `affine(state) -> (x, y, state)`: the update is `x·u + y·p`, with `u` the
+      transform's input, `p` the params and x, y floats or 0-d tensors (`identity`,
+      `scale`, `scale_by_lr`, `add_decayed_weights`). `chain` folds a tail of these into
+      the in-place apply, and writes them into updates it owns.
+    - `apply_(grads, state, params, a, b) -> state`: `p ← a·p + b·u` in place, with
+      `u, state = update(grads, state, params)`; equal to that to rounding. It may
+      update the leaves of `state` in place (the caller gives the old state up) and
+      only reads `grads`. `chain`, `inject_hyperparams` and `scale_by_adam` have one.
+
     Example:
         >>> import torch, purestep.core as ps
         >>> t = ps.scale(-0.1)
@@ -41,6 +55,8 @@ class Transform(NamedTuple):
 
     init: Callable[[Params], OptState]
     update: Callable[..., tuple[Updates, OptState]]
+    affine: Callable[[OptState], tuple[Any, Any, OptState]] | None = None
+    apply_: Callable[..., OptState] | None = None
 
 
 class EmptyState(NamedTuple):

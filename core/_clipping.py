@@ -9,6 +9,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from . import _flat
+from . import _lists as ls
 from . import _tree as tr
 from ._base import EmptyState, Params, Transform, check_hyperparam, check_positive, is_static, leaf_device, zero_count
 
@@ -61,17 +62,17 @@ def clip_by_global_norm(max_norm: float | Tensor) -> Transform:
 
     def update(grads, state, params=None, **extra):
         gs, spec = pytree.tree_flatten(grads)
-        norm = tr.global_norm(gs)
+        norm = ls.global_norm(gs)
         # coef = min(1, max_norm / (‖g‖ + eps)), a 0-d tensor: no host sync
         coef = torch.clamp(max_norm / (norm + _NORM_EPS), max=1.0)
-        out = tr.cast_like(tr.mul(gs, coef), gs)
+        out = ls.cast_like(ls.mul(gs, coef), gs)
         return pytree.tree_unflatten(out, spec), ClipByGlobalNormState(norm.to(state.norm.dtype))
 
     return Transform(init, update)
 
 
 def _clamp(xs: list[Tensor], lo: float | Tensor, hi: float | Tensor) -> list[Tensor]:
-    if tr.use_foreach(xs) and not isinstance(lo, Tensor) and not isinstance(hi, Tensor):
+    if ls.use_foreach(xs) and not isinstance(lo, Tensor) and not isinstance(hi, Tensor):
         return list(torch._foreach_clamp_max(torch._foreach_clamp_min(xs, lo), hi))
     return [torch.clamp(x, lo, hi) for x in xs]
 
@@ -94,7 +95,7 @@ def clip_by_value(max_abs: float | Tensor) -> Transform:
     def update(grads, state, params=None, **extra):
         gs, spec = pytree.tree_flatten(grads)
         lo = -max_abs
-        out = tr.cast_like(_clamp(gs, lo, max_abs), gs)
+        out = ls.cast_like(_clamp(gs, lo, max_abs), gs)
         return pytree.tree_unflatten(out, spec), state
 
     return Transform(init, update)
@@ -226,14 +227,14 @@ def clip_by_running_norm(factor: float = 2.0, beta: float = 0.99, warmup_steps: 
 
     def update(grads, state, params=None, **extra):
         gs, spec = pytree.tree_flatten(grads)
-        norm = tr.global_norm(gs).to(state.mu.dtype)
+        norm = ls.global_norm(gs).to(state.mu.dtype)
         c = state.count.to(torch.float64)
         # τ = factor · m / (1 - βᶜ); c >= warmup_steps >= 1 wherever it is used
         debias = torch.clamp(1.0 - beta**c, min=1.0 - beta)
         threshold = (factor * state.mu.to(torch.float64) / debias).to(norm.dtype)
         coef = torch.clamp(threshold / (norm + _NORM_EPS), max=1.0)
         coef = torch.where(state.count >= warmup_steps, coef, torch.ones_like(coef))
-        out = tr.cast_like(tr.mul(gs, coef), gs)
+        out = ls.cast_like(ls.mul(gs, coef), gs)
         mu = beta * state.mu + (1.0 - beta) * (norm * coef)
         return pytree.tree_unflatten(out, spec), ClipByRunningNormState(state.count + 1, mu, norm)
 

@@ -10,6 +10,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from . import _flat
+from . import _lists as ls
 from . import _tree as tr
 from ._base import EmptyState, OptState, Params, PyTree, Transform, as_float64, leaf_device, resolve, zero_count
 
@@ -30,7 +31,27 @@ def identity() -> Transform:
     def update(grads, state, params=None, **extra):
         return grads, state
 
-    return Transform(init, update)
+    return Transform(init, update, affine=lambda state: (1.0, 0.0, state))
+
+
+def apply_in_place(t: Transform, grads: PyTree, state: OptState, params: Params, a: Any = 1.0, b: Any = 1.0) -> OptState:
+    """`p ← a·p + b·u` in place for `u, state = t.update(grads, state, params)`; returns
+    the new state. Runs `t.apply_` where the transform has one (which may update `state`
+    in place: the caller gives it up), else `update` and then the in-place apply."""
+    if t.apply_ is not None:
+        return t.apply_(grads, state, params, a, b)
+    updates, state = t.update(grads, state, params)
+    ls.scale_add_(tr.check_match(params, updates, "params", "updates", dtype=False), a, b, tr.tree_leaves(updates))
+    return state
+
+
+def _fold(a: Any, b: Any, x: Any, y: Any) -> tuple[Any, Any]:
+    """`a·p + b·(x·u + y·p)` as `a'·p + b'·u`: the coefficients of an affine tail, folded."""
+    if not ls.is_zero(y):
+        a = a + (y if ls.is_one(b) else b * y)
+    if not ls.is_one(x):
+        b = x if ls.is_one(b) else b * x
+    return a, b
 
 
 def chain(*transforms: Transform) -> Transform:
@@ -49,30 +70,51 @@ def chain(*transforms: Transform) -> Transform:
     def init(params: Params) -> tuple:
         return tuple(t.init(params) for t in transforms)
 
-    # A building block whose update has an `update_owned` variant (`add_decayed_weights`,
-    # `scale_by_lr`, `scale`) may write into updates that are the chain's own: fresh
-    # tensors from the transform before, aliasing no grad, param or state (`tr.owned`).
-    # In eager mode that saves a new set of update tensors per block, whose allocation
-    # (page faults) costs more than the math; the inputs of the chain are never written.
-    in_place = [getattr(t.update, "update_owned", None) for t in transforms]
-
     def update(grads, state, params=None, **extra):
         if len(state) != len(transforms):
             raise ValueError(f"chain state has {len(state)} entries for {len(transforms)} transforms")
         new_state, owned = [], False
         for i, (t, s) in enumerate(zip(transforms, state)):
-            new_grads, new_s = (in_place[i] if owned else t.update)(grads, s, params, **extra)
+            x, y, new_s = t.affine(s) if owned else (None, None, None)
+            if owned and (params is not None or ls.is_zero(y)):
+                # Updates that are the chain's own (fresh tensors from the transform before,
+                # aliasing no input: `ls.owned`) take an affine transform in place. In eager
+                # mode that saves a new set of update tensors, whose allocation costs more than
+                # the math; the chain's inputs are never written.
+                leaves, spec = pytree.tree_flatten(grads)
+                ps_ = [] if ls.is_zero(y) else tr.check_match(params, grads, "params", "updates", dtype=False)
+                new_grads = pytree.tree_unflatten(ls.affine_(x, leaves, y, ps_), spec)
+            else:
+                new_grads, new_s = t.update(grads, s, params, **extra)
             new_state.append(new_s)
-            # update_owned writes into its own updates or returns fresh ones: still owned.
+            nxt = transforms[i + 1] if i + 1 < len(transforms) else None
             owned = (
-                i + 1 < len(transforms)
-                and in_place[i + 1] is not None
-                and (owned or tr.owned(tr.tree_leaves(new_grads), grads, s, new_s, params, extra))
+                nxt is not None
+                and nxt.affine is not None
+                and (owned or ls.owned(tr.tree_leaves(new_grads), grads, s, new_s, params, extra))
             )
             grads = new_grads
         return grads, tuple(new_state)
 
-    return Transform(init, update)
+    def apply_(grads, state, params, a=1.0, b=1.0):
+        # p ← a·p + b·u: an affine tail (decay, lr) folds into the coefficients, so the
+        # last transform before it applies its own update straight into the params.
+        if len(state) != len(transforms):
+            raise ValueError(f"chain state has {len(state)} entries for {len(transforms)} transforms")
+        new_state, k = list(state), len(transforms)
+        while k and transforms[k - 1].affine is not None:
+            x, y, new_state[k - 1] = transforms[k - 1].affine(state[k - 1])
+            a, b = _fold(a, b, x, y)
+            k -= 1
+        for i in range(k - 1):
+            grads, new_state[i] = transforms[i].update(grads, state[i], params)
+        if k:
+            new_state[k - 1] = apply_in_place(transforms[k - 1], grads, state[k - 1], params, a, b)
+        else:  # the whole chain is affine (plain SGD): p ← a·p + b·g
+            ls.scale_add_(tr.check_match(params, grads, "params", "grads", dtype=False), a, b, tr.tree_leaves(grads))
+        return tuple(new_state)
+
+    return Transform(init, update, apply_=apply_)
 
 
 # --------------------------------------------------------------------------- #
@@ -295,7 +337,12 @@ def inject_hyperparams(factory: Callable[..., Transform], *, static_args: tuple[
             updates, inner_state = factory(**hp, **static).update(grads, state.inner_state, params, **extra)
             return updates, InjectHyperparamsState(state.count + 1, hp, inner_state)
 
-        return Transform(init, update)
+        def apply_(grads, state, params, a=1.0, b=1.0):
+            hp = values(state.count, state.hyperparams)
+            inner_state = apply_in_place(factory(**hp, **static), grads, state.inner_state, params, a, b)
+            return InjectHyperparamsState(state.count + 1, hp, inner_state)
+
+        return Transform(init, update, apply_=apply_)
 
     return wrapped
 
@@ -418,7 +465,7 @@ def apply_if_finite(inner: Transform, max_consecutive: int | None = None) -> Tra
     def update(grads, state, params=None, **extra):
         updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
         floats = [x for x in pytree.tree_leaves(inner_state) if isinstance(x, Tensor) and x.is_floating_point()]
-        finite = tr.all_finite(pytree.tree_leaves(grads) + floats).to(state.last_finite.device)
+        finite = ls.all_finite(pytree.tree_leaves(grads) + floats).to(state.last_finite.device)
         notfinite = torch.where(finite, torch.zeros_like(state.notfinite_count), state.notfinite_count + 1)
         apply = finite if max_consecutive is None else finite | (notfinite > max_consecutive)
         updates = pytree.tree_map(lambda u: torch.where(apply, u, torch.zeros_like(u)), updates)
@@ -452,9 +499,9 @@ def accumulate(inner: Transform, every: int) -> Transform:
     def update(grads, state, params=None, **extra):
         gs = tr.check_match(grads, state.acc_grads, "grads", "params")
         acc, spec = pytree.tree_flatten(state.acc_grads)
-        summed = tr.add(acc, gs)
+        summed = ls.add(acc, gs)
         ready = state.mini_step == every - 1
-        mean = pytree.tree_unflatten(tr.mul(summed, 1.0 / every), spec)
+        mean = pytree.tree_unflatten(ls.mul(summed, 1.0 / every), spec)
         updates, inner_state = inner.update(mean, state.inner_state, params, **extra)
         updates = pytree.tree_map(lambda u: torch.where(ready, u, torch.zeros_like(u)), updates)
         inner_state = _select_tree(ready, inner_state, state.inner_state)

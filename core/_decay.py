@@ -10,6 +10,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from . import _flat
+from . import _lists as ls
 from . import _tree as tr
 from ._base import (
     EmptyState,
@@ -56,28 +57,21 @@ def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0, mask: Any = None) 
             return AddDecayedWeightsState(zero_count(leaf_device(pytree.tree_leaves(params))))
         return EmptyState()
 
-    def step(grads, state, params, owned: bool):
+    def affine(state):
+        # u + λ·p as x·u + y·p (see `Transform`): `chain` folds it into an in-place apply.
+        if callable(weight_decay):
+            return 1.0, resolve(weight_decay, state.count), AddDecayedWeightsState(state.count + 1)
+        return 1.0, weight_decay, state
+
+    def update(grads, state, params=None, **extra):
         if params is None:
             raise ValueError("add_decayed_weights needs params: call update(grads, state, params)")
         ps_ = tr.check_match(params, grads, "params", "grads", dtype=False)
         us, spec = pytree.tree_flatten(grads)
-        if callable(weight_decay):
-            wd = resolve(weight_decay, state.count)
-            state = AddDecayedWeightsState(state.count + 1)
-        else:
-            wd = weight_decay
-        # `owned`: `chain` passes updates that are its own, so u += λ·p runs in place.
-        out = tr.axpy_(wd, ps_, us) if owned else tr.cast_like(tr.axpy(wd, ps_, us), us)
-        return pytree.tree_unflatten(out, spec), state
+        _, wd, state = affine(state)
+        return pytree.tree_unflatten(ls.cast_like(ls.axpy(wd, ps_, us), us), spec), state
 
-    def update(grads, state, params=None, **extra):
-        return step(grads, state, params, False)
-
-    def update_owned(grads, state, params=None, **extra):
-        return step(grads, state, params, True)
-
-    update.update_owned = update_owned
-    t = Transform(init, update)
+    t = Transform(init, update, affine=affine)
     return t if mask is None else masked(t, mask)
 
 
@@ -243,10 +237,10 @@ def scale_per_leaf(multipliers: Any) -> Transform:
             factors = _flat.rule_per_group(grads, multipliers, lambda proxy: _multipliers_per_leaf(multipliers, proxy))
         else:
             factors = _multipliers_per_leaf(multipliers, grads)
-        if tr.use_foreach(gs) and all(is_static(f) for f in factors):
+        if ls.use_foreach(gs) and all(is_static(f) for f in factors):
             out = list(torch._foreach_mul(gs, [float(f) for f in factors]))
         else:
             out = [g * f for g, f in zip(gs, factors)]
-        return pytree.tree_unflatten(tr.cast_like(out, gs), spec), state
+        return pytree.tree_unflatten(ls.cast_like(out, gs), spec), state
 
     return Transform(init, update)

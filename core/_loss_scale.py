@@ -8,7 +8,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import _tree as tr
+from . import _lists as ls
 from ._base import PyTree, is_static, leaf_device
 
 
@@ -87,8 +87,8 @@ def dynamic_loss_scale(
         gs, spec = pytree.tree_flatten(grads)
         # GradScaler: inv_scale = scale.double().reciprocal().float()
         inv = state.scale.to(torch.float64).reciprocal().to(torch.float32)
-        finite = tr.all_finite(gs).to(state.scale.device)
-        out = tr.cast_like(tr.mul(gs, inv), gs)
+        finite = ls.all_finite(gs).to(state.scale.device)
+        out = ls.cast_like(ls.mul(gs, inv), gs)
         # torch._amp_update_scale_: products in float64, stored as float32
         grown = (state.scale.to(torch.float64) * growth_factor).to(torch.float32)
         backed = (state.scale.to(torch.float64) * backoff_factor).to(torch.float32)

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from . import _flat
 from . import _precision as lp
+from . import _lists as ls
 from . import _tree as tr
 from ._base import Params, PyTree, ScalarOrSchedule, Transform, check_hyperparam, check_nonnegative, check_positive, leaf_device, resolve, zero_count
 from ._decay import param_kind
@@ -251,13 +252,13 @@ def scale_by_muon(
         spec = pytree.tree_structure(grads)
         beta = resolve(momentum, state.count)
         # m ← β·m + (1-β)·g  (torch.optim.Muon's lerp form)
-        mu = tr.cast_like(tr.ema(mu, wide, beta), wide)
+        mu = ls.cast_like(ls.ema(mu, wide, beta), wide)
         # m̃ = (1-β)·g + β·m with nesterov, else m
-        src = tr.cast_like(tr.ema(wide, mu, 1.0 - beta), wide) if nesterov else mu
+        src = ls.cast_like(ls.ema(wide, mu, 1.0 - beta), wide) if nesterov else mu
         stacked = _flat.stacked_leaves(grads)
         ortho = orthogonalize_leaves(src, coefficients, safety, eps, ns_dtype, emulate_bf16, stacked)
         shapes = [o.shape[1:] if k else o.shape for o, k in zip(ortho, stacked)]
-        out = tr.cast_like([o * _lr_ratio(s, adjust_lr) for o, s in zip(ortho, shapes)], gs)
+        out = ls.cast_like([o * _lr_ratio(s, adjust_lr) for o, s in zip(ortho, shapes)], gs)
         stored = lp.store_moments(mu, state.mu, lp.moment_keys(state.count, rounding, state.mu))
         return pytree.tree_unflatten(out, spec), ScaleByMuonState(state.count + 1, stored)
 

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from . import _flat
 from . import _precision as lp
+from . import _lists as ls
 from . import _tree as tr
 from ._base import (
     EmptyState,
@@ -45,18 +46,14 @@ def scale(factor: float | Tensor) -> Transform:
     def init(params: Params) -> EmptyState:
         return EmptyState()
 
-    def step(grads, state, owned: bool):
-        leaves, spec = pytree.tree_flatten(grads)  # `owned`: the chain's own updates, scaled in place
-        return pytree.tree_unflatten(tr.cast_like((tr.mul_ if owned else tr.mul)(leaves, factor), leaves), spec), state
+    def affine(state):
+        return factor, 0.0, state  # x·u + y·p (see `Transform`): `chain` folds it into an in-place apply
 
     def update(grads, state, params=None, **extra):
-        return step(grads, state, False)
+        leaves, spec = pytree.tree_flatten(grads)
+        return pytree.tree_unflatten(ls.cast_like(ls.mul(leaves, factor), leaves), spec), state
 
-    def update_owned(grads, state, params=None, **extra):
-        return step(grads, state, True)
-
-    update.update_owned = update_owned
-    return Transform(init, update)
+    return Transform(init, update, affine=affine)
 
 
 class ScaleByLrState(NamedTuple):
@@ -87,24 +84,18 @@ def scale_by_lr(lr: ScalarOrSchedule) -> Transform:
             return ScaleByLrState(zero_count(leaf_device(pytree.tree_leaves(params))))
         return EmptyState()
 
-    def step(grads, state, owned: bool):
-        leaves, spec = pytree.tree_flatten(grads)
+    def affine(state):
+        # -η·u as x·u + y·p (see `Transform`): `chain` folds it into an in-place apply.
         if callable(lr):
-            value = resolve(lr, state.count)
-            state = ScaleByLrState(state.count + 1)
-        else:
-            value = lr
-        # `owned`: `chain` passes updates that are its own, so u ← -η·u runs in place.
-        return pytree.tree_unflatten(tr.cast_like((tr.mul_ if owned else tr.mul)(leaves, -value), leaves), spec), state
+            return -resolve(lr, state.count), 0.0, ScaleByLrState(state.count + 1)
+        return -lr, 0.0, state
 
     def update(grads, state, params=None, **extra):
-        return step(grads, state, False)
+        leaves, spec = pytree.tree_flatten(grads)
+        x, _, state = affine(state)
+        return pytree.tree_unflatten(ls.cast_like(ls.mul(leaves, x), leaves), spec), state
 
-    def update_owned(grads, state, params=None, **extra):
-        return step(grads, state, True)
-
-    update.update_owned = update_owned
-    return Transform(init, update)
+    return Transform(init, update, affine=affine)
 
 
 class TraceState(NamedTuple):
@@ -154,11 +145,11 @@ def trace(
             first = (state.count == 0) | (torch.as_tensor(m) == 0)
             first = first.to(torch.float64)
             g_coef = first + (1.0 - first) * (1.0 - dampening)
-            new = tr.lincomb(m, ts, g_coef, wide)
+            new = ls.lincomb(m, ts, g_coef, wide)
         else:
-            new = tr.axpy(m, ts, wide)
-        new = tr.cast_like(new, wide)
-        out = tr.cast_like(tr.axpy(m, new, wide) if nesterov else new, gs)
+            new = ls.axpy(m, ts, wide)
+        new = ls.cast_like(new, wide)
+        out = ls.cast_like(ls.axpy(m, new, wide) if nesterov else new, gs)
         stored = lp.store_moments(new, state.trace, lp.moment_keys(state.count, rounding, state.trace))
         return pytree.tree_unflatten(out, spec), TraceState(state.count + 1, stored)
 
@@ -226,8 +217,9 @@ def scale_by_adam(
         bc1 = 1.0 - beta1**t
         bc2 = 1.0 - beta2**t
         plain = None if amsgrad or eps_root else _plain_moments(grads, state.mu, state.nu, params)
-        if plain is not None and tr.leafwise([*plain[0], *plain[1], *plain[2]], beta1, beta2, eps):
-            gs, mu, nu, spec = plain
+        if plain is not None and ls.leafwise([x for xs in plain for x in xs], beta1, beta2, eps):
+            gs, mu, nu, _ = plain
+            spec = pytree.tree_structure(grads)
             mu, nu, out = _adam_leafwise(gs, mu, nu, beta1, beta2, bc1, bc2, eps)
             mu, nu = pytree.tree_unflatten(mu, spec), pytree.tree_unflatten(nu, spec)
             return pytree.tree_unflatten(out, spec), ScaleByAdamState(state.count + 1, mu, nu)
@@ -245,20 +237,38 @@ def scale_by_adam(
             out = out[0]
         return pytree.tree_unflatten(out, spec), new_state
 
-    return Transform(init, update)
+    def apply_(grads, state, params, a=1.0, b=1.0):
+        # In place (see `Transform.apply_`): eager CPU with plain moments runs AdamW's whole
+        # step a cache block of leaves at a time, μ and ν updated in their own storage;
+        # anything else is `update` followed by the apply.
+        plain = None if amsgrad or eps_root else _plain_moments(grads, state.mu, state.nu, params)
+        beta1, beta2 = resolve(b1, state.count), resolve(b2, state.count)
+        if plain is None or not ls.leafwise([x for xs in plain for x in xs], beta1, beta2, eps, a, b):
+            updates, new_state = update(grads, state, params)
+            ls.scale_add_(tr.check_match(params, updates, "params", "updates", dtype=False), a, b, tr.tree_leaves(updates))
+            return new_state
+        t = (state.count + 1).to(torch.float64)
+        _adam_apply_leafwise(*plain, beta1, beta2, 1.0 - beta1**t, 1.0 - beta2**t, eps, a, b)
+        return ScaleByAdamState(state.count + 1, state.mu, state.nu)
+
+    return Transform(init, update, apply_=apply_)
 
 
 def _plain_moments(grads, mu, nu, params):
-    """`(grads, μ, ν, spec)` as leaf lists when they (and `params`) match leaf for leaf with
-    nothing to convert: plain float32 or float64 tensors, one dtype and shape per leaf. Else
-    None, and the caller takes the general path (`lp.load_moments`, which names a mismatch).
-    Three flattens instead of the general path's dozen: per-leaf overhead, not math.
+    """`(grads, μ, ν, params)` as leaf lists when they match leaf for leaf with nothing to
+    convert: plain float32 or float64 tensors, one dtype and shape per leaf. Else None, and
+    the caller takes the general path (`lp.load_moments`, which names a mismatch). A few
+    flattens instead of the general path's dozen: per-leaf overhead, not math.
     """
-    gs, spec = pytree.tree_flatten(grads)
-    ms, m_spec = pytree.tree_flatten(mu)
-    vs, v_spec = pytree.tree_flatten(nu)
-    ps_, p_spec = pytree.tree_flatten(params) if params is not None else (gs, spec)
-    if not gs or m_spec != spec or v_spec != spec or p_spec != spec:
+    trees = (grads, mu, nu, grads if params is None else params)
+    lists = tr.dict_leaves(*trees)
+    if lists is None:
+        flat = [pytree.tree_flatten(t) for t in trees]
+        if any(spec != flat[0][1] for _, spec in flat):
+            return None
+        lists = [leaves for leaves, _ in flat]
+    gs, ms, vs, ps_ = lists
+    if not gs:
         return None
     for g, m, v, p in zip(gs, ms, vs, ps_):
         if not (type(g) is Tensor and type(m) is Tensor and type(v) is Tensor and isinstance(p, Tensor)):
@@ -267,24 +277,26 @@ def _plain_moments(grads, mu, nu, params):
             return None
         if not g.shape == m.shape == v.shape == p.shape:
             return None
-    return gs, ms, vs, spec
+    return gs, ms, vs, ps_
 
 
 def _adam_leafwise(gs, mu, nu, beta1, beta2, bc1, bc2, eps):
-    """`scale_by_adam`'s math one leaf at a time (eager CPU, see `tr.leafwise`): new μ, ν
+    """`scale_by_adam`'s math one leaf at a time (eager CPU, see `ls.leafwise`): new μ, ν
     and updates, each a fresh tensor; the temporaries of a leaf are reused in place.
 
     u = m / (√v · bc1/√bc2 + eps·bc1), = (m / bc1) / (√(v / bc2) + eps) to rounding,
     one pass over memory fewer than scaling m and v apart.
     """
     # Scalars once per step, not per leaf (a 0-d tensor op costs as much as a small leaf's).
-    scale, shift, w1 = bc1 / torch.sqrt(bc2), eps * bc1, 1.0 - beta1
+    scale, shift, w1, w2 = bc1 / torch.sqrt(bc2), eps * bc1, 1.0 - beta1, 1.0 - beta2
     new_mu, new_nu, out = [], [], []
     for g, m, v in zip(gs, mu, nu):
         m = torch.lerp(m, g, w1)  # β₁·m + (1-β₁)·g
         if m.dtype != g.dtype:  # a 0-d leaf, promoted by a 0-d float64 β₁ (in place ops keep their dtype)
             m = m.to(g.dtype)
-        v = torch.mul(g, g).lerp_(v, beta2)  # β₂·v + (1-β₂)·g²
+        # β₂·v + (1-β₂)·g², as torch (and `_adam_apply_leafwise`) round it; `out=` keeps a 0-d
+        # leaf's dtype where a 0-d float64 β₂ would promote it, as the in-place ops do.
+        v = torch.mul(v, beta2, out=torch.empty_like(v)).addcmul_(g, g, value=w2)
         d = torch.sqrt(v).mul_(scale).add_(shift)
         out.append(torch.div(m, d, out=d))
         new_mu.append(m)
@@ -292,22 +304,44 @@ def _adam_leafwise(gs, mu, nu, beta1, beta2, bc1, bc2, eps):
     return new_mu, new_nu, out
 
 
+def _adam_apply_leafwise(gs, mu, nu, ps_, beta1, beta2, bc1, bc2, eps, a, b):
+    """`p ← a·p + b·m̂/(√v̂ + ε)` with μ and ν updated in place, a block of leaves at a time
+    (eager CPU, see `ls.leafwise`): torch.optim.AdamW's step, 7 passes per leaf.
+
+    μ and ν are bitwise torch's (the same ops); p equals it to rounding: with r = √bc2,
+    u = m·(r/bc1) / (√v + ε·r), = (m/bc1) / (√v/r + ε), one division pass fewer.
+    """
+    r = torch.sqrt(bc2)
+    shift, step, w1, w2 = eps * r, b * r / bc1, 1.0 - beta1, 1.0 - beta2
+    decay = not ls.is_one(a)
+    for lo, hi in ls.cache_blocks(gs):
+        g, m, v, p = gs[lo:hi], mu[lo:hi], nu[lo:hi], ps_[lo:hi]
+        torch._foreach_lerp_(m, g, w1)  # β₁·m + (1-β₁)·g
+        torch._foreach_mul_(v, beta2)  # β₂·v + (1-β₂)·g²
+        torch._foreach_addcmul_(v, g, g, value=w2)  # a 0-d CPU tensor as `value`: no device sync
+        d = torch._foreach_sqrt(v)
+        torch._foreach_add_(d, shift)
+        if decay:
+            torch._foreach_mul_(p, a)  # decoupled decay: a = 1 - η·λ
+        torch._foreach_addcdiv_(p, m, d, value=step)
+
+
 def _adam_foreach(grads, gs, wide, mu, nu, beta1, beta2, bc1, bc2, eps, eps_root, nu_max):
     """`scale_by_adam`'s math as leaf-list ops: foreach kernels (per leaf under torch.func).
 
     Returns new μ, ν and updates (and the new ν_max when `nu_max` is the stored one).
     """
-    mu = tr.cast_like(tr.ema(mu, wide, beta1), wide)
-    nu = tr.cast_like(tr.ema_sq(nu, wide, beta2), wide)
+    mu = ls.cast_like(ls.ema(mu, wide, beta1), wide)
+    nu = ls.cast_like(ls.ema_sq(nu, wide, beta2), wide)
     if nu_max is not None:
         nu_max = [torch.maximum(a, b) for a, b in zip(lp.load_moments(grads, nu_max, second=True)[2], nu)]
     # u = (m / bc1) / (√(v / bc2 + eps_root) + eps)
     # (intermediates are updated in place: in eager mode allocation costs more than math)
-    denom = tr.mul(nu if nu_max is None else nu_max, 1.0 / bc2)
+    denom = ls.mul(nu if nu_max is None else nu_max, 1.0 / bc2)
     if eps_root:
-        denom = tr.add_scalar_(denom, eps_root)
-    denom = tr.add_scalar_(tr.sqrt_(denom), eps)
-    out = tr.cast_like(tr.mul_(tr.div_into_(mu, denom), 1.0 / bc1), gs)
+        denom = ls.add_scalar_(denom, eps_root)
+    denom = ls.add_scalar_(ls.sqrt_(denom), eps)
+    out = ls.cast_like(ls.mul_(ls.div_into_(mu, denom), 1.0 / bc1), gs)
     return mu, nu, (out if nu_max is None else (out, nu_max))
 
 
@@ -339,8 +373,8 @@ def scale_by_lion(
         gs, wide, mu = lp.load_moments(grads, state.mu, params)
         spec = pytree.tree_structure(grads)
         beta1, beta2 = resolve(b1, state.count), resolve(b2, state.count)
-        out = tr.cast_like(tr.sign(tr.ema(mu, wide, beta1)), gs)
-        mu = tr.cast_like(tr.ema(mu, wide, beta2), wide)
+        out = ls.cast_like(ls.sign(ls.ema(mu, wide, beta1)), gs)
+        mu = ls.cast_like(ls.ema(mu, wide, beta2), wide)
         stored = lp.store_moments(mu, state.mu, lp.moment_keys(state.count, rounding, state.mu))
         return pytree.tree_unflatten(out, spec), ScaleByLionState(state.count + 1, stored)
 
@@ -363,8 +397,8 @@ def scale_by_trust_ratio(*, min_norm: float = 0.0, trust_coefficient: float = 1.
         ps_ = tr.check_match(params, grads, "params", "grads", dtype=False)
         us, spec = pytree.tree_flatten(grads)
         stacked = _flat.stacked_leaves(grads)
-        p_norm = [torch.clamp(n, min=min_norm) for n in tr.member_norms(ps_, stacked)]
-        u_norm = [torch.clamp(n, min=min_norm) for n in tr.member_norms(us, stacked)]
+        p_norm = [torch.clamp(n, min=min_norm) for n in ls.member_norms(ps_, stacked)]
+        u_norm = [torch.clamp(n, min=min_norm) for n in ls.member_norms(us, stacked)]
         ratios = [
             torch.where((pn == 0) | (un == 0), torch.ones_like(pn), trust_coefficient * pn / (un + eps))
             for pn, un in zip(p_norm, u_norm)

@@ -13,6 +13,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from . import _lists as ls
 from . import _tree as tr
 from ._base import (
     OptState,
@@ -115,9 +116,9 @@ def schedule_free(
         steps, base_state = base.update(grads, state.base_state, params, **extra)
         steps = tr.check_match(steps, state.z, "base updates", "z", dtype=False)
         # y ← (1-c)·y + c·z + (1 - β₁(1-c))·Δz,  z ← z + Δz   (Δz = -lr·ĝ, the base step)
-        out = tr.lincomb(c, tr.sub(zs, ys), 1.0 - beta1 * (1.0 - c), steps)
-        out = tr.cast_like(out, ys)
-        z = tr.cast_like(tr.add(zs, steps), zs)
+        out = ls.lincomb(c, ls.sub(zs, ys), 1.0 - beta1 * (1.0 - c), steps)
+        out = ls.cast_like(out, ys)
+        z = ls.cast_like(ls.add(zs, steps), zs)
         new = ScheduleFreeState(state.count + 1, beta1, weight_sum, max_lr, pytree.tree_unflatten(z, spec), base_state)
         return pytree.tree_unflatten(out, spec), new
 

@@ -13,6 +13,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from . import _precision as lp
+from . import _lists as ls
 from . import _tree as tr
 from ._base import (
     Params,
@@ -81,16 +82,16 @@ def scale_by_sophia(
             est = tr.check_match(hessian, state.hessian, "hessian", "params", dtype=False)
             est = [e.to(h.dtype) for e, h in zip(est, hs)]
             # h ← β₂·h + (1-β₂)·ĥ on refresh updates (count ≡ 0 mod update_every)
-            refreshed = tr.cast_like(tr.lincomb(beta2, hs, 1.0 - beta2, est), hs)
+            refreshed = ls.cast_like(ls.lincomb(beta2, hs, 1.0 - beta2, est), hs)
             if update_every > 1:
                 due = torch.remainder(state.count, update_every) == 0
-                refreshed = tr.where(due, refreshed, hs)
+                refreshed = ls.where(due, refreshed, hs)
             hs = refreshed
-        mu = tr.cast_like(tr.ema(mu, wide, beta1), wide)
-        denom = tr.add_scalar(tr.mul(hs, resolve(rho, state.count)), eps)
+        mu = ls.cast_like(ls.ema(mu, wide, beta1), wide)
+        denom = ls.add_scalar(ls.mul(hs, resolve(rho, state.count)), eps)
         # u = sign(m) · min(|m| / (ρ·h + ε), 1)
         out = [torch.sign(m) * torch.clamp(m.abs() / d, max=1.0) for m, d in zip(mu, denom)]
-        out = tr.cast_like(out, gs)
+        out = ls.cast_like(out, gs)
         new = ScaleBySophiaState(state.count + 1, lp.store_moments(mu, state.mu, None), lp.store_moments(hs, state.hessian, None))
         return pytree.tree_unflatten(out, spec), new
 

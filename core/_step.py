@@ -15,9 +15,11 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from . import _flat
+from . import _lists as ls
 from ._flat_step import FlatStep, FlatUpdate
 from . import _tree as tr
 from ._base import OptState, Params, PyTree, Transform
+from ._combine import apply_in_place
 
 Metrics = dict[str, Any]
 
@@ -142,7 +144,7 @@ def _copy_into(dst_tree: PyTree, src_tree: PyTree, what: str) -> None:
     with torch.no_grad():
         # DTensor (FSDP2 params) has no sharding rule for `_foreach_copy_`: copy leaf by leaf.
         plain = all(type(d) in (Tensor, torch.nn.Parameter) for d, _ in pairs)
-        if plain and tr.use_foreach([d for d, _ in pairs]):
+        if plain and ls.use_foreach([d for d, _ in pairs]):
             torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
         else:
             for d, s in pairs:
@@ -151,13 +153,15 @@ def _copy_into(dst_tree: PyTree, src_tree: PyTree, what: str) -> None:
 
 def _storages(*trees: Any) -> set[int]:
     """The addresses of the storages behind every tensor leaf of `trees`."""
-    return {x.untyped_storage().data_ptr() for x in tr.tensors_in(*trees) if type(x) in (Tensor, torch.nn.Parameter)}
+    return {x.untyped_storage().data_ptr() for x in ls.tensors_in(*trees) if type(x) in (Tensor, torch.nn.Parameter)}
 
 
 def _leaf_pairs(dst: Any, src: Any, out: list) -> bool:
     """Collect the matching tensor leaves of two trees of dicts, lists, tuples and
     NamedTuples into `out` (a walk, without pytree's specs); False for any other node or a
     difference in structure, which the caller leaves to pytree."""
+    if dst is src:
+        return True  # a subtree updated in place: nothing to adopt
     if isinstance(dst, Tensor) or isinstance(src, Tensor):
         if isinstance(dst, Tensor) and isinstance(src, Tensor):
             out.append((dst, src))
@@ -173,14 +177,38 @@ def _leaf_pairs(dst: Any, src: Any, out: list) -> bool:
     return dst is None or kind in (int, float, bool, str)
 
 
-def _adopt_into(dst_tree: PyTree, src_tree: PyTree, what: str, taken: set[int]) -> None:
+class _Taken:
+    """The storages a donated update may not adopt: those of the trees given (read on
+    first use: an update that wrote its state in place never needs them) and those
+    adopted already."""
+
+    def __init__(self, *trees: Any) -> None:
+        self.trees: tuple | None = trees
+        self.ptrs: set[int] = set()
+
+    def __contains__(self, ptr: int) -> bool:
+        if self.trees is not None:
+            self.ptrs |= _storages(*self.trees)
+            self.trees = None
+        return ptr in self.ptrs
+
+    def add(self, ptr: int) -> None:
+        self.ptrs.add(ptr)
+
+
+# Smaller new state leaves (step counters) are copied: cheaper than the storage checks.
+_ADOPT_MIN_BYTES = 1 << 16
+
+
+def _adopt_into(dst_tree: PyTree, src_tree: PyTree, what: str, taken: _Taken) -> None:
     """Donation without copies: each `dst` leaf takes over the storage of its new value
     (`Tensor.set_`), so the tensor objects stay the same and nothing is copied.
 
     A new value is adopted only when it is a tensor of the same dtype, device, shape and
     strides whose storage nothing else uses: not a storage in `taken` (the grads, params,
     old state: a state that kept the caller's grad would otherwise alias it from then
-    on), nor one adopted already. Anything else is copied, as `_copy_into` does.
+    on), nor one adopted already. Anything else (and anything small) is copied, as
+    `_copy_into` does; a leaf that is its own new value (updated in place) is left alone.
     """
     pairs: list[tuple[Tensor, Tensor]] = []
     if not _leaf_pairs(dst_tree, src_tree, pairs):  # another kind of node, or a mismatch to report
@@ -190,7 +218,13 @@ def _adopt_into(dst_tree: PyTree, src_tree: PyTree, what: str, taken: set[int]) 
     for d, s in pairs:
         if d is s:
             continue
-        if type(d) is Tensor and type(s) is Tensor and s.storage_offset() == 0 and s.dtype == d.dtype:
+        if (
+            type(d) is Tensor
+            and type(s) is Tensor
+            and s.storage_offset() == 0
+            and s.dtype == d.dtype
+            and s.nbytes >= _ADOPT_MIN_BYTES
+        ):
             storage = s.untyped_storage()
             ptr = storage.data_ptr()
             # The whole of a storage no one else holds, laid out as `d` was.
@@ -268,6 +302,15 @@ def make_update(
       flat: with `compile=True, donate=True`, run over flat buffers (below); False keeps
         one kernel per leaf.
 
+    Eager donation (`donate=True` without compile) applies the update in place without
+    materializing it where the transform has an in-place form (`Transform.apply_`): a
+    chain folds its affine tail (weight decay, lr) into the coefficients of
+    `p ← a·p + b·u`, and `scale_by_adam` then runs torch.optim.AdamW's step on CPU, block
+    of leaves by block, with μ and ν updated in their own storage. The params then equal
+    the pure update to rounding, not bitwise (AdamW: μ and ν bitwise torch.optim's, the
+    params to an ulp or so per step). Other new state leaves adopt their new storage
+    (`Tensor.set_`) or, when small or shared, are copied back.
+
     Flat buffers (`compile=True, donate=True, flat=True`): on the first call the params,
     the optimizer state (and EMA) move into one contiguous buffer per group of leaves
     that share device, dtype and the transform's per-leaf rules (mask values, partition
@@ -317,13 +360,12 @@ def make_update(
             _copy_into(ema_state, out[2], "ema_state")
 
     def eager_in_place(params, grads, opt_state, ema_state=None):
-        # Uncompiled donation: p += u in place (one pass, no new params), and the state
-        # leaves adopt the storage of their new values instead of copying them back.
+        # Uncompiled donation: the update goes into the params in place (`apply_in_place`:
+        # a chain folds its decay and lr into the last transform's own in-place apply), and
+        # state leaves not updated in place adopt the storage of their new values.
         tr.check_match(grads, params, "grads", "params")
-        updates, new_state = optimizer.update(grads, opt_state, params)
-        tr.apply_updates_(params, updates)
-        del updates
-        taken = _storages(params, grads, opt_state, ema_state)
+        new_state = apply_in_place(optimizer, grads, opt_state, params)
+        taken = _Taken(params, grads, opt_state, ema_state)
         _adopt_into(opt_state, new_state, "opt_state", taken)
         if averaging is not None:
             _adopt_into(ema_state, averaging[1](ema_state, params), "ema_state", taken)
@@ -457,7 +499,7 @@ def make_step(
             aux, buffers = aux
         return grads, loss, aux, buffers
 
-    def pure(params, opt_state, batch, buffers=None, with_buffers=False):
+    def loss_and_grads(params, batch, buffers, with_buffers):
         # Flat buffers (`FlatStep`): the loss sees per-leaf views; the grads are packed after.
         named = params.unpack() if _flat.is_packed(params) else params
         if micro_batches == 1:
@@ -474,15 +516,21 @@ def make_step(
             aux = pytree.tree_map(lambda *xs: torch.stack(xs), *auxes) if has_aux else None
         if _flat.is_packed(params):
             grads = _flat.pack_like(params, grads)
-        grad_norm = tr.tree_global_norm(grads)
-        new_params, new_state, updates = _apply(optimizer, params, grads, opt_state)
-        metrics = {"loss": loss, "grad_norm": grad_norm, "update_norm": tr.tree_global_norm(updates)}
+        return grads, loss, aux, buffers
+
+    def metrics_of(loss, grads, aux, updates, new_state):
+        metrics = {"loss": loss, "grad_norm": tr.tree_global_norm(grads), "update_norm": tr.tree_global_norm(updates)}
         lr = _lr_metric(new_state)
         if lr is not None:
             metrics["lr"] = lr
         if has_aux:
             metrics["aux"] = aux
-        return new_params, new_state, metrics, buffers
+        return metrics
+
+    def pure(params, opt_state, batch, buffers=None, with_buffers=False):
+        grads, loss, aux, buffers = loss_and_grads(params, batch, buffers, with_buffers)
+        new_params, new_state, updates = _apply(optimizer, params, grads, opt_state)
+        return new_params, new_state, metrics_of(loss, grads, aux, updates, new_state), buffers
 
     def in_place(params, opt_state, batch, buffers=None, with_buffers=False):
         new_params, new_state, metrics, new_buffers = pure(params, opt_state, batch, buffers, with_buffers)
@@ -492,7 +540,21 @@ def make_step(
             _copy_into(buffers, new_buffers, "buffers")
         return metrics
 
-    inner = _maybe_compile(in_place if donate else pure, compile)
+    def eager_in_place(params, opt_state, batch, buffers=None, with_buffers=False):
+        # Uncompiled donation, as make_update's: p += u in place and the state leaves adopt
+        # the storage of their new values (the updates themselves are kept for
+        # `update_norm`, so no folding into the apply: bitwise the pure step's results).
+        grads, loss, aux, new_buffers = loss_and_grads(params, batch, buffers, with_buffers)
+        updates, new_state = optimizer.update(grads, opt_state, params)
+        metrics = metrics_of(loss, grads, aux, updates, new_state)
+        tr.apply_updates_(params, updates)
+        _adopt_into(opt_state, new_state, "opt_state", _Taken(params, grads, opt_state, buffers, new_buffers))
+        if with_buffers:  # copied: functional_model's buffers share storage with the module
+            _copy_into(buffers, new_buffers, "buffers")
+        return metrics
+
+    inner = pure if not donate else in_place if compile else eager_in_place
+    inner = _maybe_compile(inner, compile)
     packed = FlatStep(optimizer, pure, None, _FLAT_OPTIONS) if compile and donate and flat else None
 
     def step(params: Params, opt_state: OptState, batch: PyTree, buffers: PyTree = None) -> tuple:

@@ -42,8 +42,9 @@ from ._strategies import FLOAT_DTYPES, GRAD_KINDS, Example, _given, _grads_like,
 from ._strategies import grad_trees as grad_trees
 from ._strategies import hyperparams as hyperparams
 from ._strategies import param_trees as param_trees
+from ._combine import apply_in_place
 from ._invariants import InvariantError as InvariantError
-from ._invariants import _call, _compare_runs, _factory, _first_difference, _float64, _make, _name, _same, _settings
+from ._invariants import _call, _clone, _compare_runs, _factory, _first_difference, _float64, _make, _name, _same, _settings
 from ._invariants import _trajectory, _where, _wrap
 
 __all__ = [
@@ -71,7 +72,8 @@ TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
 }
 
 DEFAULT_CHECKS = (
-    "purity", "state_stability", "update_structure", "finite_outputs", "determinism", "replay", "composition"
+    "purity", "state_stability", "update_structure", "finite_outputs", "determinism", "replay", "composition",
+    "in_place",
 )
 
 
@@ -109,7 +111,9 @@ def check_transform(
     its recorded input state, gives bitwise-equal updates and states: no state is kept
     outside the returned state, such as a step counter in a closure) and "composition"
     (`chain(identity(), t)`, `chain(t, identity())` and `masked(t, all True)` give
-    bitwise-equal updates). Before any drawn example, one small leaf is tried with one
+    bitwise-equal updates) and "in_place" (where the transform has `affine` or `apply_`,
+    the in-place apply of an eager donated step, run on `chain(t)`, gives the params and
+    state of `update` then `apply_updates`, to the dtype's `TOLERANCES`). Before any drawn example, one small leaf is tried with one
     step of normal, all-zero, huge and tiny grads (unless `hyperparams` is a strategy,
     then hypothesis's simplest example has all-zero grads). With `reference`, also
     "reference_parity" against a `torch.optim` optimizer in float64; with `compile`,
@@ -164,6 +168,8 @@ def check_transform(
             _check_replay(t, ex, opts, ups, states, params)
         if "composition" in checks:
             _check_composition(factory, ex, opts, ups, states)
+        if "in_place" in checks:
+            _check_in_place(t, ex, opts, ups, states, params)
 
     _wrap(_name(factory), run)
     if reference is not None:
@@ -190,6 +196,42 @@ def _check_replay(t: ps.Transform, ex: Example, opts: _Options, ups: list, state
                     "replay",
                     f"the same instance, given step {k}'s inputs again, returned different {label} at leaf '{leaf}' ({hint})",
                 )
+
+
+def _check_in_place(t: ps.Transform, ex: Example, opts: _Options, ups: list, states: list, params: list) -> None:
+    """`Transform.affine` and `apply_` against `update`: `chain(t)` folds an affine `t` into
+    its apply and hands the rest to `t.apply_`, as `make_update(..., donate=True)` does."""
+    if (t.affine is None and t.apply_ is None) or any(ex.extras):
+        return  # nothing beyond `update` to check; `apply_` takes no extra keywords
+    wrapped = ps.chain(t)
+    for k, u in enumerate(ups):
+        where = _where(k, ex.grad_kinds[k][0])
+        target = params[k] if opts.needs_params else ex.params
+        state_in = states[k - 1] if k else t.init(params[0] if opts.needs_params else ex.params)
+        p, s = _clone(target), _clone((state_in,))
+        with torch.no_grad():
+            s = _call(f"the in-place apply {where}", apply_in_place, wrapped, ex.grads[k], s, p)[0]
+        for label, want, got in (("params", ps.apply_updates(target, u), p), ("state", states[k], s)):
+            if leaf := _first_far(want, got):
+                raise InvariantError(
+                    "in_place", f"the in-place apply (affine/apply_) {where} gave other {label} than update at leaf '{leaf}'"
+                )
+
+
+def _first_far(a: Any, b: Any) -> str | None:
+    """The first leaf where `a` and `b` differ beyond the dtype's `TOLERANCES` (NaN equals NaN)."""
+    pa, sa = ps.tree_flatten_with_path(a)
+    pb, sb = ps.tree_flatten_with_path(b)
+    if sa != sb:
+        return "<structure>"
+    for (path, x), (_, y) in zip(pa, pb):
+        if isinstance(x, Tensor) and x.is_floating_point() and x.dtype in TOLERANCES:
+            rtol, atol = TOLERANCES[x.dtype]
+            if x.dtype != y.dtype or not torch.allclose(x.double(), y.double(), rtol=rtol, atol=atol, equal_nan=True):
+                return path or "<root>"
+        elif not _same(x, y):
+            return path or "<root>"
+    return None
 
 
 def _check_composition(factory, ex: Example, opts: _Options, ups: list, states: list) -> None:

@@ -228,6 +228,21 @@ def test_kit_catches_a_transform_that_changes_inside_a_combinator():
     assert "chain(identity(), t) vs t" in message
 
 
+def test_kit_catches_an_in_place_form_that_disagrees_with_update():
+    # `affine` claims u ↦ 2·u while `update` returns -u: an eager donated step would apply
+    # something else than the pure update.
+    def factory():
+        def update(grads, state, params=None, **extra):
+            return {k: -v for k, v in grads.items()}, state
+
+        return ps.Transform(lambda p: ps.EmptyState(), update, affine=lambda state: (2.0, 0.0, state))
+
+    message = _fails("in_place", lambda: kit.check_transform(factory, checks=("in_place",), **FAST))
+    assert "gave other params than update" in message
+    right = lambda: ps.Transform(lambda p: ps.EmptyState(), factory().update, affine=lambda s: (-1.0, 0.0, s))  # noqa: E731
+    kit.check_transform(right, checks=("in_place",), **FAST)
+
+
 def test_kit_reports_an_exception_in_update_as_an_invariant():
     def factory():
         def update(grads, state, params=None, **extra):

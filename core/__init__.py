@@ -13,6 +13,7 @@ from ._averaging import params_swa as params_swa
 from ._base import EmptyState as EmptyState
 from ._base import Schedule as Schedule
 from ._base import Transform as Transform
+from ._base import with_in_place as with_in_place
 from ._clipping import ClipByGlobalNormState as ClipByGlobalNormState
 from ._clipping import ClipByRunningNormState as ClipByRunningNormState
 from ._clipping import adaptive_clip as adaptive_clip
@@ -110,6 +111,7 @@ from ._tree import tree_zeros_like as tree_zeros_like
 __all__ = [
     # base
     "Transform",
+    "with_in_place",
     "EmptyState",
     "Schedule",
     # trees

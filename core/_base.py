@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, Callable, NamedTuple, Protocol, Union
 
 import torch
@@ -30,10 +31,11 @@ class Transform(NamedTuple):
     Updates are added to params (`apply_updates`). `update` ignores `extra`
     keywords it does not know, so transforms compose under `chain`.
 
-    Two optional fields let an eager donated step (`make_update(..., donate=True)`
-    without compile) apply the update in place without materializing it. `update` stays
-    the definition; a transform without them (None, the default) only runs slower there,
-    and one rebuilt with a new `update` (`t._replace(update=...)`) must drop them:
+    An `update` may carry in-place forms (`with_in_place`), which let an eager donated
+    step (`make_update(..., donate=True)` without compile) apply it without materializing
+    the updates. `update` stays the definition: the forms belong to that one function, so
+    a transform rebuilt around a new `update` (a wrapper, `t._replace(update=...)`) has
+    none and only runs slower there:
 
     - `affine(state) -> (x, y, state)`: the update is `x·u + y·p`, with `u` the
       transform's input, `p` the params and x, y floats or 0-d tensors (`identity`,
@@ -55,8 +57,45 @@ class Transform(NamedTuple):
 
     init: Callable[[Params], OptState]
     update: Callable[..., tuple[Updates, OptState]]
-    affine: Callable[[OptState], tuple[Any, Any, OptState]] | None = None
-    apply_: Callable[..., OptState] | None = None
+
+
+# The in-place forms of update functions, keyed by the function itself (not stored on it:
+# `functools.wraps` copies a function's attributes onto its wrapper, which would hand a
+# wrapper's different update the wrapped one's forms).
+_IN_PLACE: "weakref.WeakKeyDictionary[Callable, tuple]" = weakref.WeakKeyDictionary()
+
+
+def with_in_place(update: Callable, *, affine: Callable | None = None, apply_: Callable | None = None) -> Callable:
+    """`update`, registered with its in-place forms (see `Transform`): returns `update`
+    itself, for `Transform(init, with_in_place(update, affine=...))`."""
+    if affine is not None and apply_ is not None:
+        raise ValueError("an update has either an affine form or an apply_ form, not both")
+    if torch.compiler.is_compiling():  # built inside a compiled step: the forms are for eager steps
+        return update
+    try:
+        _IN_PLACE[update] = (affine, apply_)
+    except TypeError:
+        raise ValueError(f"with_in_place: update must be a function, got {type(update).__name__}") from None
+    return update
+
+
+def _forms(t: Transform) -> tuple:
+    if torch.compiler.is_compiling():  # traced code takes the plain `update`
+        return (None, None)
+    try:
+        return _IN_PLACE.get(t.update, (None, None))
+    except TypeError:  # not weak-referenceable: registered by nobody
+        return (None, None)
+
+
+def affine_of(t: Transform) -> Callable | None:
+    """`t`'s affine form, or None."""
+    return _forms(t)[0]
+
+
+def apply_of(t: Transform) -> Callable | None:
+    """`t`'s in-place apply, or None."""
+    return _forms(t)[1]
 
 
 class EmptyState(NamedTuple):

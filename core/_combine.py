@@ -12,7 +12,20 @@ from torch import Tensor
 from . import _flat
 from . import _lists as ls
 from . import _tree as tr
-from ._base import EmptyState, OptState, Params, PyTree, Transform, as_float64, leaf_device, resolve, zero_count
+from ._base import (
+    EmptyState,
+    OptState,
+    Params,
+    PyTree,
+    Transform,
+    affine_of,
+    apply_of,
+    as_float64,
+    leaf_device,
+    resolve,
+    with_in_place,
+    zero_count,
+)
 
 
 def identity() -> Transform:
@@ -31,15 +44,16 @@ def identity() -> Transform:
     def update(grads, state, params=None, **extra):
         return grads, state
 
-    return Transform(init, update, affine=lambda state: (1.0, 0.0, state))
+    return Transform(init, with_in_place(update, affine=lambda state: (1.0, 0.0, state)))
 
 
 def apply_in_place(t: Transform, grads: PyTree, state: OptState, params: Params, a: Any = 1.0, b: Any = 1.0) -> OptState:
     """`p ← a·p + b·u` in place for `u, state = t.update(grads, state, params)`; returns
-    the new state. Runs `t.apply_` where the transform has one (which may update `state`
-    in place: the caller gives it up), else `update` and then the in-place apply."""
-    if t.apply_ is not None:
-        return t.apply_(grads, state, params, a, b)
+    the new state. Runs `t`'s in-place apply (`with_in_place`) where it has one (which
+    may update `state` in place: the caller gives it up), else `update`, then the apply."""
+    apply_ = apply_of(t)
+    if apply_ is not None:
+        return apply_(grads, state, params, a, b)
     updates, state = t.update(grads, state, params)
     ls.scale_add_(tr.check_match(params, updates, "params", "updates", dtype=False), a, b, tr.tree_leaves(updates))
     return state
@@ -75,7 +89,7 @@ def chain(*transforms: Transform) -> Transform:
             raise ValueError(f"chain state has {len(state)} entries for {len(transforms)} transforms")
         new_state, owned = [], False
         for i, (t, s) in enumerate(zip(transforms, state)):
-            x, y, new_s = t.affine(s) if owned else (None, None, None)
+            x, y, new_s = affine_of(t)(s) if owned else (None, None, None)
             if owned and (params is not None or ls.is_zero(y)):
                 # Updates that are the chain's own (fresh tensors from the transform before,
                 # aliasing no input: `ls.owned`) take an affine transform in place. In eager
@@ -90,7 +104,7 @@ def chain(*transforms: Transform) -> Transform:
             nxt = transforms[i + 1] if i + 1 < len(transforms) else None
             owned = (
                 nxt is not None
-                and nxt.affine is not None
+                and affine_of(nxt) is not None
                 and (owned or ls.owned(tr.tree_leaves(new_grads), grads, s, new_s, params, extra))
             )
             grads = new_grads
@@ -102,8 +116,8 @@ def chain(*transforms: Transform) -> Transform:
         if len(state) != len(transforms):
             raise ValueError(f"chain state has {len(state)} entries for {len(transforms)} transforms")
         new_state, k = list(state), len(transforms)
-        while k and transforms[k - 1].affine is not None:
-            x, y, new_state[k - 1] = transforms[k - 1].affine(state[k - 1])
+        while k and affine_of(transforms[k - 1]) is not None:
+            x, y, new_state[k - 1] = affine_of(transforms[k - 1])(state[k - 1])
             a, b = _fold(a, b, x, y)
             k -= 1
         for i in range(k - 1):
@@ -114,7 +128,7 @@ def chain(*transforms: Transform) -> Transform:
             ls.scale_add_(tr.check_match(params, grads, "params", "grads", dtype=False), a, b, tr.tree_leaves(grads))
         return tuple(new_state)
 
-    return Transform(init, update, apply_=apply_)
+    return Transform(init, with_in_place(update, apply_=apply_))
 
 
 # --------------------------------------------------------------------------- #
@@ -342,7 +356,7 @@ def inject_hyperparams(factory: Callable[..., Transform], *, static_args: tuple[
             inner_state = apply_in_place(factory(**hp, **static), grads, state.inner_state, params, a, b)
             return InjectHyperparamsState(state.count + 1, hp, inner_state)
 
-        return Transform(init, update, apply_=apply_)
+        return Transform(init, with_in_place(update, apply_=apply_))
 
     return wrapped
 

@@ -23,6 +23,7 @@ from ._base import (
     is_static,
     leaf_device,
     resolve,
+    with_in_place,
     zero_count,
 )
 from ._combine import masked
@@ -71,7 +72,7 @@ def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0, mask: Any = None) 
         _, wd, state = affine(state)
         return pytree.tree_unflatten(ls.cast_like(ls.axpy(wd, ps_, us), us), spec), state
 
-    t = Transform(init, update, affine=affine)
+    t = Transform(init, with_in_place(update, affine=affine))
     return t if mask is None else masked(t, mask)
 
 

@@ -106,9 +106,9 @@ def owned(new: Sequence[Any], *others: Any) -> bool:
     whole storage, and sharing no storage with any tensor leaf of `others`.
 
     A chain asks this of a transform's output updates (with the transform's inputs, states
-    and params as `others`) before applying the next transform, when affine, in place
-    (`Transform.affine`): an update that is a grad passed through, a state leaf or a view
-    of one is not the chain's to overwrite.
+    and params as `others`) before applying the next transform, when it has an affine form
+    (`with_in_place`), in place: an update that is a grad passed through, a state leaf or
+    a view of one is not the chain's to overwrite.
     """
     if torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None:
         return False  # traced or batched: no storages to compare, and nothing gains from in place ops

@@ -26,6 +26,7 @@ from ._base import (
     check_positive,
     leaf_device,
     resolve,
+    with_in_place,
     zero_count,
 )
 
@@ -53,7 +54,7 @@ def scale(factor: float | Tensor) -> Transform:
         leaves, spec = pytree.tree_flatten(grads)
         return pytree.tree_unflatten(ls.cast_like(ls.mul(leaves, factor), leaves), spec), state
 
-    return Transform(init, update, affine=affine)
+    return Transform(init, with_in_place(update, affine=affine))
 
 
 class ScaleByLrState(NamedTuple):
@@ -95,7 +96,7 @@ def scale_by_lr(lr: ScalarOrSchedule) -> Transform:
         x, _, state = affine(state)
         return pytree.tree_unflatten(ls.cast_like(ls.mul(leaves, x), leaves), spec), state
 
-    return Transform(init, update, affine=affine)
+    return Transform(init, with_in_place(update, affine=affine))
 
 
 class TraceState(NamedTuple):
@@ -238,7 +239,7 @@ def scale_by_adam(
         return pytree.tree_unflatten(out, spec), new_state
 
     def apply_(grads, state, params, a=1.0, b=1.0):
-        # In place (see `Transform.apply_`): eager CPU with plain moments runs AdamW's whole
+        # In place (an in-place apply, `with_in_place`): eager CPU with plain moments runs AdamW's whole
         # step a cache block of leaves at a time, μ and ν updated in their own storage;
         # anything else is `update` followed by the apply.
         plain = None if amsgrad or eps_root else _plain_moments(grads, state.mu, state.nu, params)
@@ -251,7 +252,7 @@ def scale_by_adam(
         _adam_apply_leafwise(*plain, beta1, beta2, 1.0 - beta1**t, 1.0 - beta2**t, eps, a, b)
         return ScaleByAdamState(state.count + 1, state.mu, state.nu)
 
-    return Transform(init, update, apply_=apply_)
+    return Transform(init, with_in_place(update, apply_=apply_))
 
 
 def _plain_moments(grads, mu, nu, params):

@@ -303,7 +303,7 @@ def make_update(
         one kernel per leaf.
 
     Eager donation (`donate=True` without compile) applies the update in place without
-    materializing it where the transform has an in-place form (`Transform.apply_`): a
+    materializing it where the transform has an in-place form (`with_in_place`): a
     chain folds its affine tail (weight decay, lr) into the coefficients of
     `p ← a·p + b·u`, and `scale_by_adam` then runs torch.optim.AdamW's step on CPU, block
     of leaves by block, with μ and ν updated in their own storage. The params then equal

@@ -42,6 +42,7 @@ from ._strategies import FLOAT_DTYPES, GRAD_KINDS, Example, _given, _grads_like,
 from ._strategies import grad_trees as grad_trees
 from ._strategies import hyperparams as hyperparams
 from ._strategies import param_trees as param_trees
+from ._base import affine_of, apply_of
 from ._combine import apply_in_place
 from ._invariants import InvariantError as InvariantError
 from ._invariants import _call, _clone, _compare_runs, _factory, _first_difference, _float64, _make, _name, _same, _settings
@@ -199,9 +200,10 @@ def _check_replay(t: ps.Transform, ex: Example, opts: _Options, ups: list, state
 
 
 def _check_in_place(t: ps.Transform, ex: Example, opts: _Options, ups: list, states: list, params: list) -> None:
-    """`Transform.affine` and `apply_` against `update`: `chain(t)` folds an affine `t` into
-    its apply and hands the rest to `t.apply_`, as `make_update(..., donate=True)` does."""
-    if (t.affine is None and t.apply_ is None) or any(ex.extras):
+    """The in-place forms of `t.update` (`ps.with_in_place`: affine, apply_) against
+    `update`: `chain(t)` folds an affine `t` into its apply and hands the rest to `t`'s
+    apply_, as `make_update(..., donate=True)` does."""
+    if (affine_of(t) is None and apply_of(t) is None) or any(ex.extras):
         return  # nothing beyond `update` to check; `apply_` takes no extra keywords
     wrapped = ps.chain(t)
     for k, u in enumerate(ups):

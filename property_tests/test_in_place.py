@@ -1,5 +1,5 @@
-"""Invariant family "in_place": where a transform has an in-place form (`Transform.affine`,
-`Transform.apply_`), the eager donated apply gives the params and state of `update` then
+"""Invariant family "in_place": where a transform has an in-place form (`ps.with_in_place`:
+affine or apply_), the eager donated apply gives the params and state of `update` then
 `apply_updates`, to the dtype's tolerance, for every registered transform.
 """
 

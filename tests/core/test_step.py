@@ -349,7 +349,7 @@ _REGISTRY_SKIP = {"sophia", "scale_by_sophia"}  # their curvature comes as an `u
 
 @pytest.mark.parametrize("name", sorted(n for n in TRANSFORMS if n not in _REGISTRY_SKIP))
 def test_eager_donated_update_equals_the_pure_update_for_every_registered_transform(name):
-    # The in-place apply (`Transform.apply_`, affine tails folded by chain) of every
+    # The in-place apply (`with_in_place`, affine tails folded by chain) of every
     # transform, composed as make_update composes it, equals the pure update to rounding.
     case = TRANSFORMS[name]
     torch.manual_seed(0)

@@ -229,18 +229,37 @@ def test_kit_catches_a_transform_that_changes_inside_a_combinator():
 
 
 def test_kit_catches_an_in_place_form_that_disagrees_with_update():
-    # `affine` claims u ↦ 2·u while `update` returns -u: an eager donated step would apply
-    # something else than the pure update.
-    def factory():
+    # The affine form claims u ↦ x·u while `update` returns -u: with x = 2 an eager
+    # donated step would apply something else than the pure update.
+    def factory(x):
         def update(grads, state, params=None, **extra):
             return {k: -v for k, v in grads.items()}, state
 
-        return ps.Transform(lambda p: ps.EmptyState(), update, affine=lambda state: (2.0, 0.0, state))
+        return ps.Transform(lambda p: ps.EmptyState(), ps.with_in_place(update, affine=lambda state: (x, 0.0, state)))
 
-    message = _fails("in_place", lambda: kit.check_transform(factory, checks=("in_place",), **FAST))
+    message = _fails("in_place", lambda: kit.check_transform(lambda: factory(2.0), checks=("in_place",), **FAST))
     assert "gave other params than update" in message
-    right = lambda: ps.Transform(lambda p: ps.EmptyState(), factory().update, affine=lambda s: (-1.0, 0.0, s))  # noqa: E731
-    kit.check_transform(right, checks=("in_place",), **FAST)
+    kit.check_transform(lambda: factory(-1.0), checks=("in_place",), **FAST)
+
+
+def test_in_place_forms_belong_to_the_update_function_not_to_a_wrapper():
+    import functools
+
+    base = ps.scale(-1.0)
+
+    @functools.wraps(base.update)  # copies the function's attributes: must not copy its forms
+    def doubled(grads, state, params=None, **extra):
+        u, s = base.update(grads, state, params, **extra)
+        return {k: 2 * v for k, v in u.items()}, s
+
+    for t in (base._replace(update=doubled), ps.Transform(base.init, doubled)):
+        params, grads = {"w": torch.ones(3)}, {"w": torch.full((3,), 0.5)}
+        want = ps.apply_updates(params, t.update(grads, t.init(params), params)[0])
+        step = ps.make_update(ps.chain(t), donate=True)
+        got, _ = step(params, grads, ps.chain(t).init(params))
+        torch.testing.assert_close(got["w"], want["w"])
+    with pytest.raises(ValueError, match="update must be a function"):
+        ps.with_in_place(3, affine=lambda s: (1.0, 0.0, s))
 
 
 def test_kit_reports_an_exception_in_update_as_an_invariant():

@@ -13,13 +13,17 @@ def _member(seed: int, device: str = "cpu", dtype: torch.dtype = torch.float64) 
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).to(device, dtype)
 
 
-def check_compiled_ensemble(device: str, dtype: torch.dtype, rtol: float, atol: float) -> None:
-    """torch.compile(vmap(step)) over 3 members, 4 steps, each member against its own eager run.
+def check_compiled_ensemble(
+    device: str, dtype: torch.dtype, rtol: float, atol: float, *, max_norm: float = 0.5, warmup: int = 2, reset: bool = True
+) -> None:
+    """torch.compile(vmap(step), dynamic=False) over 3 members, 4 steps, each member against
+    its own eager run.
 
     One compile (10-30 s on a CPU), with clipping (a global norm, whose foreach kernel has no
     batching rule) and a scheduled AdamW.
     """
-    torch._dynamo.reset()
+    if reset:
+        torch._dynamo.reset()
     models = [_member(s, device, dtype) for s in range(3)]
     apply_fn, params, buffers = ps.functional_ensemble(models)
 
@@ -27,10 +31,10 @@ def check_compiled_ensemble(device: str, dtype: torch.dtype, rtol: float, atol: 
         x, y = batch
         return ((apply_fn(params, buffers, x)[0] - y) ** 2).mean()
 
-    opt = ps.chain(ps.clip_by_global_norm(0.5), ps.adamw(ps.warmup_cosine_schedule(1e-2, 2, 10), weight_decay=0.1))
+    opt = ps.chain(ps.clip_by_global_norm(max_norm), ps.adamw(ps.warmup_cosine_schedule(1e-2, warmup, 10), weight_decay=0.1))
     step = ps.make_step(loss_fn, opt)
     state = torch.func.vmap(opt.init)(params)
-    ensemble_step = torch.compile(torch.func.vmap(step), fullgraph=True)
+    ensemble_step = torch.compile(torch.func.vmap(step), fullgraph=True, dynamic=False)
     g = torch.Generator().manual_seed(7)
     batches = [tuple(torch.randn(3, 16, n, generator=g, dtype=dtype).to(device) for n in (4, 2)) for _ in range(4)]
     for batch in batches:
@@ -52,6 +56,10 @@ def check_compiled_ensemble(device: str, dtype: torch.dtype, rtol: float, atol: 
 
 def test_compiled_vmapped_step_trains_each_member_as_its_own_run():
     check_compiled_ensemble("cpu", torch.float64, rtol=1e-9, atol=1e-12)
+    # A second ensemble with other hyperparameters in the same process: without
+    # dynamic=False dynamo would trace the changed Python scalars as symbolic, which vmap's
+    # batching rules refuse ("x must be Tensor or scalar, got SymInt").
+    check_compiled_ensemble("cpu", torch.float64, rtol=1e-9, atol=1e-12, max_norm=0.7, warmup=3, reset=False)
 
 
 def test_stack_module_state_params_would_keep_a_graph_and_functional_ensemble_params_do_not():

@@ -84,7 +84,9 @@ def state_bytes(params: dict, device: torch.device) -> dict[str, dict[str, int]]
     return out
 
 
-def step_times(numel: int, n: int, device: torch.device, reps: int, names: list[str]) -> tuple[dict[str, float], dict[str, float]]:
+def step_times(
+    numel: int, n: int, device: torch.device, reps: int, names: list[str]
+) -> tuple[dict[str, float], dict[str, float]]:
     fns, first = {}, {}
     for name in names:
         opt = ps.adamw(1e-3, weight_decay=WD, **MOMENTS[name])
@@ -337,7 +339,8 @@ def main() -> None:
     if "stores" not in args.skip:
         print(f"AdamW's elementwise step on one buffer of {numel / 1e6:.0f}M, moments stored each way", flush=True)
         costs = store_costs(numel, device, args.reps)
-        rows = [[k, f"{1e3 * t:.1f}", f"{t / costs['fp32']:.3f}", f"{t / costs['nearest (.to)']:.3f}"] for k, t in costs.items()]
+        near = costs["nearest (.to)"]
+        rows = [[k, f"{1e3 * t:.1f}", f"{t / costs['fp32']:.3f}", f"{t / near:.3f}"] for k, t in costs.items()]
         for row in rows:
             print("  " + "  ".join(row))
         body.append(f"## What the bf16 store costs (AdamW's elementwise step on one flat buffer of {numel / 1e6:.0f}M, "

@@ -115,8 +115,9 @@ def _edge_values(dtype: torch.dtype) -> torch.Tensor:
     info = torch.finfo(dtype)
     tiny, top = info.tiny, 2.0 ** math.floor(math.log2(info.max))
     ulp = 2.0**-23  # float32's, relative
-    xs = [1 + ulp, 2 - ulp, 1 + 12345 * ulp, 1.5 - 7 * ulp, 3 + 3 * 2.0**-22, 1 / 3, 0.1, 5e-3,
-          tiny * (1 + ulp), tiny * (1 - ulp), tiny * 0.3, tiny * 2.0**-3 * 1.37, top * (1 + 99 * ulp), info.max * (1 - 2.0**-12)]
+    xs = [1 + ulp, 2 - ulp, 1 + 12345 * ulp, 1.5 - 7 * ulp, 3 + 3 * 2.0**-22, 1 / 3, 0.1, 5e-3]
+    xs += [tiny * (1 + ulp), tiny * (1 - ulp), tiny * 0.3, tiny * 2.0**-3 * 1.37]
+    xs += [top * (1 + 99 * ulp), info.max * (1 - 2.0**-12)]
     x = torch.tensor(xs, dtype=torch.float64).to(torch.float32)
     return torch.cat([x, -x])
 

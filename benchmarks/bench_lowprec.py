@@ -294,7 +294,7 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="train eagerly (compiling 5 variants takes minutes on a CPU)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["bytes", "timing", "stores", "training", "peers"])
     parser.add_argument("--moments", nargs="*", default=list(MOMENTS), choices=list(MOMENTS),
-                        help="the step-time contenders (fp32 first: the ratios are to it)")
+                        help="the step-time contenders, fp32 among them (the ratios are to it)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads for the timing parts (default: torch's)")
     parser.add_argument("--only", nargs="*", default=None, help="train only these variants (names as printed)")
     parser.add_argument("--merge", nargs="*", default=[], type=Path,

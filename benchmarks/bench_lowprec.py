@@ -9,7 +9,10 @@ compensation, and plain bf16 params.
    the distinct storages the state holds (and, on CUDA, the growth of
    `torch.cuda.memory_allocated`), not computed from dtypes.
 2. Step time: `ps.make_update(opt, compile=True, donate=True)` at `--size` params, fp32
-   against bf16 (stochastic and nearest rounding) and 8-bit moments, timed round-robin.
+   against bf16 (stochastic and nearest rounding) and 8-bit moments, timed round-robin;
+   then ("stores") AdamW's elementwise step on one flat buffer with its moments stored
+   as fp32, bf16 to nearest (`.to`), the random bits alone, the integer-op rounding
+   alone, and both (stochastic): what each piece of the bf16 state's step costs.
 3. Quality: the demo GPT (`purestep.api` model and data, the demo's size and batch)
    trained `--steps` steps (4x the demo's 120 by default) with AdamW (warmup + cosine,
    clipping 1.0) per variant from the same init and batches; validation loss on fixed
@@ -20,6 +23,7 @@ compensation, and plain bf16 params.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -34,6 +38,7 @@ import _common as C  # noqa: E402
 from bench_optimizer import make_leaves  # noqa: E402
 
 import purestep.core as ps  # noqa: E402
+import purestep.core._precision as lp  # noqa: E402
 from purestep.api.cli import demo_config  # noqa: E402
 from purestep.api.data import ByteCorpus, stdlib_corpus  # noqa: E402
 from purestep.api.models import GPT  # noqa: E402
@@ -79,18 +84,64 @@ def state_bytes(params: dict, device: torch.device) -> dict[str, dict[str, int]]
     return out
 
 
-def step_times(numel: int, n: int, device: torch.device, reps: int) -> tuple[dict[str, float], dict[str, float]]:
-    grads = {f"g{i}": t for i, t in enumerate(make_leaves(numel, n, device, seed=1))}
+def step_times(
+    numel: int, n: int, device: torch.device, reps: int, names: list[str]
+) -> tuple[dict[str, float], dict[str, float]]:
     fns, first = {}, {}
-    for name, kw in MOMENTS.items():
-        opt = ps.adamw(1e-3, weight_decay=WD, **kw)
+    for name in names:
+        opt = ps.adamw(1e-3, weight_decay=WD, **MOMENTS[name])
         params = {f"g{i}": t for i, t in enumerate(make_leaves(numel, n, device, seed=0))}
+        # Each contender its own grads, as in training: the flat update re-points the grad
+        # tensors into its grad buffer, and grads shared by two contenders would be copied
+        # into each one's buffer on every call (8 more bytes per param, for all alike).
+        grads = {f"g{i}": t for i, t in enumerate(make_leaves(numel, n, device, seed=1))}
         state = opt.init(params)
         update = ps.make_update(opt, compile=True, donate=True)
-        fns[name] = lambda u=update, p=params, s=state: u(p, grads, s)
+        fns[name] = lambda u=update, p=params, g=grads, s=state: u(p, g, s)
         first[name] = C.first_call(fns[name], device)
         print(f"  compiled {name}: {first[name]:.1f} s", flush=True)
     return C.interleaved(fns, device, warmup=2, reps=reps), first
+
+
+def _store(kind: str, x: torch.Tensor, seed: torch.Tensor, half: int) -> torch.Tensor:
+    """A float32 moment stored in bf16 four ways (the pieces of `lp.round_to`)."""
+    if kind == "fp32":
+        return x
+    if kind == "nearest (.to)":
+        return x.to(BF16)
+    if kind == "hash only":  # the random bits, used (never true) so they are computed, without the rounding
+        bits = (lp._random_bits(x, seed=seed) >> (16 * half)) & 0xFFFF
+        return torch.where(bits > 0xFFFF, x + 1, x).to(BF16)
+    if kind == "rounding only":  # the integer-op rounding with fixed bits, without the hash
+        return lp._round_bf16(x, torch.full_like(x, 0x5A5A, dtype=torch.int32)).to(BF16)
+    return lp.round_to(x, BF16, half=half, seed=seed)  # stochastic: hash + rounding
+
+
+STORES = ("fp32", "nearest (.to)", "hash only", "rounding only", "stochastic")
+
+
+def store_costs(numel: int, device: torch.device, reps: int) -> dict[str, float]:
+    """AdamW's elementwise step on one flat buffer, compiled, with μ and ν stored each way
+    of `STORES`: which piece of the bf16 state's step costs what."""
+
+    def step(p, g, m, v, seed, kind):
+        m2 = 0.9 * m.float() + 0.1 * g
+        v2 = 0.999 * v.float() + 0.001 * g * g
+        p.copy_(p - 1e-3 * (m2 / (torch.sqrt(v2 * 1.001) + 1e-8) * 1.1 + WD * p))
+        m.copy_(_store(kind, m2, seed, 0))
+        v.copy_(_store(kind, v2, seed, 1))
+
+    g = torch.randn(numel, device=device)
+    seed = lp.leaf_seed(3, device)
+    fns = {}
+    for kind in STORES:
+        dtype = torch.float32 if kind == "fp32" else BF16
+        args = (torch.randn(numel, device=device), g, torch.randn(numel, device=device).to(dtype),
+                torch.rand(numel, device=device).to(dtype), seed)
+        fn = torch.compile(functools.partial(step, kind=kind), fullgraph=True)
+        fns[kind] = lambda fn=fn, a=args: fn(*a)
+        fns[kind]()
+    return C.interleaved(fns, device, warmup=2, reps=reps)
 
 
 # --------------------------------------------------------------------------- #
@@ -241,7 +292,10 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=0, help="default: steps / 8")
     parser.add_argument("--val-batches", type=int, default=8)
     parser.add_argument("--no-compile", action="store_true", help="train eagerly (compiling 5 variants takes minutes on a CPU)")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["bytes", "timing", "training", "peers"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["bytes", "timing", "stores", "training", "peers"])
+    parser.add_argument("--moments", nargs="*", default=list(MOMENTS), choices=list(MOMENTS),
+                        help="the step-time contenders, fp32 among them (the ratios are to it)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads for the timing parts (default: torch's)")
     parser.add_argument("--only", nargs="*", default=None, help="train only these variants (names as printed)")
     parser.add_argument("--merge", nargs="*", default=[], type=Path,
                         help="training JSONs of runs split over processes (same settings, e.g. --only), joined into "
@@ -266,9 +320,14 @@ def main() -> None:
         body.append(f"## State bytes (AdamW, {numel / 1e6:.0f}M params in {args.tensors} tensors)\n\n" + C.table(
             ["moments", "storage MB", "CUDA allocated MB", "ratio to fp32", "bytes/param"], rows))
 
+    if "fp32" not in args.moments:
+        parser.error("--moments must include fp32 (the ratios are to it)")
+    args.moments = ["fp32", *(m for m in args.moments if m != "fp32")]
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if "timing" not in args.skip:
         print(f"step time, compiled donated make_update, {numel / 1e6:.0f}M params", flush=True)
-        times, first = step_times(numel, args.tensors, device, args.reps)
+        times, first = step_times(numel, args.tensors, device, args.reps, args.moments)
         rows = []
         for name, t in times.items():
             rows.append([name, f"{1e3 * t:.1f}", f"{t / times['fp32']:.3f}", f"{STEP_BYTES[name] * numel / t / 1e9:.2f}",
@@ -276,6 +335,17 @@ def main() -> None:
             print(f"  {name:13s} {1e3 * t:8.1f} ms  {t / times['fp32']:.3f}x fp32")
         body.append(f"## Step time (AdamW, compiled and donated, {numel / 1e6:.0f}M params in {args.tensors} tensors, median of {args.reps})\n\n" + C.table(
             ["moments", "ms/step", "ratio to fp32", "GB/s", "first call s"], rows))
+
+    if "stores" not in args.skip:
+        print(f"AdamW's elementwise step on one buffer of {numel / 1e6:.0f}M, moments stored each way", flush=True)
+        costs = store_costs(numel, device, args.reps)
+        near = costs["nearest (.to)"]
+        rows = [[k, f"{1e3 * t:.1f}", f"{t / costs['fp32']:.3f}", f"{t / near:.3f}"] for k, t in costs.items()]
+        for row in rows:
+            print("  " + "  ".join(row))
+        body.append(f"## What the bf16 store costs (AdamW's elementwise step on one flat buffer of {numel / 1e6:.0f}M, "
+                    f"compiled, median of {args.reps})\n\n"
+                    + C.table(["μ, ν stored as", "ms/step", "ratio to fp32", "ratio to nearest"], rows))
 
     if "training" not in args.skip:
         cfg = demo_config()

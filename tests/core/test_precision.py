@@ -3,6 +3,7 @@ compensated bf16/fp16 updates, and 16-bit params with every optimizer."""
 
 from __future__ import annotations
 
+import math
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -105,6 +106,42 @@ def test_moments_round_with_the_bits_of_their_leaf_key_from_one_precomputed_seed
                 assert torch.equal(m.codes.view(torch.uint8), want.codes.view(torch.uint8)) and torch.equal(m.scale, want.scale)
             else:
                 assert torch.equal(m, lp.round_to(x, dtype, key, int(second)))
+
+
+def _edge_values(dtype: torch.dtype) -> torch.Tensor:
+    """float32 values at the awkward places of `dtype`'s grid, both signs: right above and
+    below powers of two (where the spacing halves), around the smallest normal, in the
+    subnormal range, near the largest finite value, and arbitrary ones."""
+    info = torch.finfo(dtype)
+    tiny, top = info.tiny, 2.0 ** math.floor(math.log2(info.max))
+    ulp = 2.0**-23  # float32's, relative
+    xs = [1 + ulp, 2 - ulp, 1 + 12345 * ulp, 1.5 - 7 * ulp, 3 + 3 * 2.0**-22, 1 / 3, 0.1, 5e-3]
+    xs += [tiny * (1 + ulp), tiny * (1 - ulp), tiny * 0.3, tiny * 2.0**-3 * 1.37]
+    xs += [top * (1 + 99 * ulp), info.max * (1 - 2.0**-12)]
+    x = torch.tensor(xs, dtype=torch.float64).to(torch.float32)
+    return torch.cat([x, -x])
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16, FP8, torch.float8_e5m2])
+def test_stochastic_rounding_averages_to_x_over_all_random_draws(dtype):
+    # Every one of the 2^16 random draws, so the mean is exact rather than a sample: x
+    # itself where the format drops at most 16 bits of float32's (bf16: 16, float16: 13);
+    # within 2^-17 of a spacing for fp8 (20 dropped bits, a 16-bit threshold).
+    from purestep.core import _precision as lp
+
+    x = _edge_values(dtype)
+    if dtype in lp._FP8:
+        x = x.clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max)
+    bits = torch.arange(2**16, dtype=torch.int32).expand(len(x), -1)
+    many = x[:, None].expand(-1, 2**16).contiguous()
+    r = (lp._round_bf16(many, bits) if dtype == BF16 else lp._round_grid(many, dtype, bits)).to(dtype)
+    mean = r.double().mean(1)  # exact: 2^16 values of at most 11 significant bits
+    if dtype in (BF16, torch.float16):
+        assert torch.equal(mean, x.double()), (mean - x.double()).abs().max()
+    else:
+        mantissa, emin = round(-math.log2(torch.finfo(dtype).eps)), round(math.log2(torch.finfo(dtype).tiny))
+        spacing = torch.exp2(torch.floor(torch.log2(x.double().abs())).clamp(min=emin) - mantissa)
+        assert ((mean - x.double()).abs() <= 2.0**-17 * spacing).all()
 
 
 def test_stochastic_round_refuses_a_wide_dtype():

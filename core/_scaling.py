@@ -239,9 +239,9 @@ def scale_by_adam(
         return pytree.tree_unflatten(out, spec), new_state
 
     def apply_(grads, state, params, a=1.0, b=1.0):
-        # In place (an in-place apply, `with_in_place`): eager CPU with plain moments runs AdamW's whole
-        # step a cache block of leaves at a time, μ and ν updated in their own storage;
-        # anything else is `update` followed by the apply.
+        # The in-place form (`with_in_place`): eager CPU with plain moments runs AdamW's
+        # whole step a cache block of leaves at a time, μ and ν updated in their own
+        # storage; anything else is `update` followed by the apply.
         plain = None if amsgrad or eps_root else _plain_moments(grads, state.mu, state.nu, params)
         beta1, beta2 = resolve(b1, state.count), resolve(b2, state.count)
         if plain is None or not ls.leafwise([x for xs in plain for x in xs], beta1, beta2, eps, a, b):

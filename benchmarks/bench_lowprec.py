@@ -15,6 +15,13 @@ compensation, and plain bf16 params.
    clipping 1.0) per variant from the same init and batches; validation loss on fixed
    batches along the way; torchao's and torch-optimi's equivalents where they import.
    Writes the val losses (markdown + JSON) and a loss-curve PNG under `results/`.
+   `--seed` sets the init and the batch order (the validation batches stay fixed);
+   `--merge` joins runs of several seeds into a per-run table (each against the fp32 run of
+   its seed), a mean/min/max table across seeds and a plot of the mean with the spread.
+   `--bf16-compute float32` (the CPU default) keeps the bf16-param variants' params stored
+   and updated in bf16 but runs their forward and backward on the params cast to float32
+   (bf16 values, float32 activations; grads rounded to bf16 at the cast), for CPUs without
+   bf16 matmul units; `bfloat16` (the CUDA default) computes in bf16.
 """
 
 from __future__ import annotations
@@ -177,6 +184,41 @@ def _loop(run_step: Callable, forward: Callable, data: ByteCorpus, val: list, st
     return {"train": train, "val": curve, "seconds": time.perf_counter() - t}
 
 
+def compute_check(data: ByteCorpus, held: ByteCorpus, steps: int, device, seed: int) -> list[list[str]]:
+    """`--bf16-compute float32` against a real bf16 forward and backward: the same bf16 weights (the
+    model after `steps` emulated bf16-params + Kahan steps), the loss and the bf16 grads of a few
+    batches computed both ways."""
+    model = make_model(BF16, device, seed)
+    apply_fn, params, buffers = ps.functional_model(model)
+    buffers32, opt = compute_view(buffers, torch.float32), ours({}, True, steps)
+
+    def loss_fn(p, batch):
+        logits, _ = apply_fn(compute_view(p, torch.float32), buffers32, batch["input"])
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch["target"].flatten())
+
+    step, state = ps.make_step(loss_fn, opt, donate=True), opt.init(params)
+    for i in range(steps):
+        step(params, state, {k: v.to(device) for k, v in data.batch(i).items()})
+
+    def loss_and_grad(compute: torch.dtype, batch: dict) -> tuple[float, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        logits = forward_in(model, compute)(batch["input"])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), batch["target"].flatten())
+        loss.backward()
+        assert all(p.grad.dtype == BF16 for p in model.parameters())  # bf16 grads either way
+        return float(loss.detach()), torch.cat([p.grad.double().flatten() for p in model.parameters()])
+
+    rows = []
+    for split, corpus, i in [("val", held, 0), ("val", held, 1), ("train", data, steps), ("train", data, steps + 1)]:
+        batch = {k: v.to(device) for k, v in corpus.batch(i, split=split).items()}
+        (lb, gb), (lf, gf) = loss_and_grad(BF16, batch), loss_and_grad(torch.float32, batch)
+        cos = float(gb @ gf / (gb.norm() * gf.norm()))
+        rows.append([f"{split} {i}", f"{lb:.5f}", f"{lf:.5f}", f"{100 * (lf / lb - 1):+.4f}%", f"{cos:.5f}",
+                     f"{float((gf - gb).norm() / gb.norm()):.4f}"])
+        print("  " + " | ".join(rows[-1]), flush=True)
+    return rows
+
+
 def peers(steps: int) -> dict[str, Callable]:
     """torchao's and torch-optimi's equivalents that import here: name -> (model dtype, optimizer factory)."""
     found: dict[str, Any] = {}
@@ -317,6 +359,9 @@ def main() -> None:
                         help="the forward/backward dtype of the bf16-param variants (ours and the peers'): bfloat16 "
                              "(default on CUDA) or float32, the bf16-stored params cast up (default on CPU, which has no "
                              "bf16 matmul units here); the params stay bf16 and the optimizer updates them in bf16 either way")
+    parser.add_argument("--check-compute", type=int, default=0, metavar="STEPS",
+                        help="before training: compare --bf16-compute float32 with a real bf16 forward/backward on the "
+                             "bf16 weights STEPS steps in (loss and grads on a few batches)")
     parser.add_argument("--tag", default="", help="results as <date>-lowprec-<tag>-<device>.* (parts run apart keep apart files)")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -374,6 +419,14 @@ def main() -> None:
             r.update(seed=args.seed, bf16_compute=bf16_compute)
             save()
 
+        if args.check_compute:
+            print(f"--bf16-compute float32 vs bfloat16 on the same bf16 weights ({args.check_compute} steps in)", flush=True)
+            rows = compute_check(data, held, args.check_compute, device, args.seed)
+            body.append(f"## bf16 compute check: the same bf16 weights (after {args.check_compute} emulated bf16 params + "
+                        "Kahan steps), loss and bf16 grads from a real bf16 forward/backward and from the float32 "
+                        "compute of `--bf16-compute float32`\n\n" + C.table(
+                            ["batch", "loss, bf16 compute", "loss, float32 compute", "difference", "grad cosine",
+                             "grad rel. L2 difference"], rows))
         wanted = (lambda name: True) if args.only is None else (lambda name: name in args.only)  # noqa: E731
         for name in filter(wanted, VARIANTS):
             print(f"training: {name} (seed {args.seed})", flush=True)
@@ -392,25 +445,25 @@ def main() -> None:
             print(f"merged: {path}")
         names = [*VARIANTS, *(n for n, _ in runs if n not in VARIANTS)]
         runs = {k: runs[k] for k in sorted(runs, key=lambda k: (names.index(k[0]), k[1]))}
-        if not any(name == "fp32" for name, _ in runs):
+        if runs and not any(name == "fp32" for name, _ in runs):
             print("no fp32 run to compare with (train it or --merge its JSON): JSON written, no table")
-            return
-        runs_table, seeds_table = quality_tables(runs)
-        plot(runs, C.RESULTS / f"{stem}.png")
-        if args.merge:  # the merged runs' JSON, with this run's, in one file
-            save()
-        several = len({seed for _, seed in runs}) > 1
-        body.append(
-            f"## Training quality (demo GPT, {args.steps} steps, AdamW peak lr {PEAK_LR}, warmup + cosine, "
-            f"clip {CLIP}; val loss over {args.val_batches} fixed batches, the same for every seed)\n\n"
-            + (f"### Across seeds\n\n{seeds_table}\n\n### Per run\n\n" if several else "")
-            + runs_table
-            + f"\n\nbf16 compute: `float32` = the params are stored, and updated by the optimizer, in bf16; the forward "
-            "and backward read them cast to float32 (bf16 values, float32 activations, grads rounded back to bf16 at "
-            "the cast); `bfloat16` = a real bf16 forward and backward.\n\n"
-            f"Curves: `{stem}.png`; per-step train and val losses: `{stem}.json`."
-        )
-        print(seeds_table if several else runs_table)
+        elif runs:
+            runs_table, seeds_table = quality_tables(runs)
+            plot(runs, C.RESULTS / f"{stem}.png")
+            if args.merge:  # the merged runs' JSON, with this run's, in one file
+                save()
+            several = len({seed for _, seed in runs}) > 1
+            body.append(
+                f"## Training quality (demo GPT, {args.steps} steps, AdamW peak lr {PEAK_LR}, warmup + cosine, "
+                f"clip {CLIP}; val loss over {args.val_batches} fixed batches, the same for every seed)\n\n"
+                + (f"### Across seeds\n\n{seeds_table}\n\n### Per run\n\n" if several else "")
+                + runs_table
+                + f"\n\nbf16 compute: `float32` = the params are stored, and updated by the optimizer, in bf16; the forward "
+                "and backward read them cast to float32 (bf16 values, float32 activations, grads rounded back to bf16 at "
+                "the cast); `bfloat16` = a real bf16 forward and backward.\n\n"
+                f"Curves: `{stem}.png`; per-step train and val losses: `{stem}.json`."
+            )
+            print(seeds_table if several else runs_table)
 
     if body:
         path = C.write_result(name_of(args.tag), "Low-precision optimizer state and bf16 params", device, "\n\n".join(body))

@@ -274,13 +274,15 @@ def by_variant(runs: dict[tuple[str, int], dict]) -> dict[str, dict[int, dict]]:
 
 
 def plot(runs: dict[tuple[str, int], dict], path: Path) -> None:
-    """Per variant the mean over its seeds, the val loss's min..max across seeds shaded."""
+    """Per variant the mean over its seeds, the min..max across seeds shaded: train loss, val loss, and the val
+    loss against the fp32 run of the same seed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax_train, ax_val, ax_gap) = plt.subplots(1, 3, figsize=(18, 4.5))
+    fp32 = by_variant(runs).get("fp32", {})
     for (name, seeds), color in zip(by_variant(runs).items(), plt.rcParams["axes.prop_cycle"].by_key()["color"] * 3):
         label = f"{name} ({len(seeds)} seed{'s' * (len(seeds) > 1)})"
         train = [sum(col) / len(col) for col in zip(*(r["train"] for r in seeds.values()))]
@@ -292,11 +294,20 @@ def plot(runs: dict[tuple[str, int], dict], path: Path) -> None:
         ax_val.plot(steps, [sum(v) / len(v) for v in vals], "o-", label=label, ms=3, lw=1, color=color)
         if len(seeds) > 1:
             ax_val.fill_between(steps, [min(v) for v in vals], [max(v) for v in vals], color=color, alpha=0.15, lw=0)
-    ax_train.set(xlabel="step", ylabel="train loss (running mean, mean over seeds)", title="training loss")
-    ax_val.set(xlabel="step", ylabel="validation loss (mean; min..max over seeds shaded)", title="validation loss")
+        paired = [s for s in seeds if s in fp32]
+        if paired:  # % above the fp32 run of the same seed, per eval point
+            gaps = list(zip(*([100 * (v / b - 1) for (_, v), (_, b) in zip(seeds[s]["val"], fp32[s]["val"])] for s in paired)))
+            ax_gap.plot(steps, [sum(g) / len(g) for g in gaps], "o-", label=f"{name} ({len(paired)})", ms=3, lw=1, color=color)
+            if len(paired) > 1:
+                ax_gap.fill_between(steps, [min(g) for g in gaps], [max(g) for g in gaps], color=color, alpha=0.15, lw=0)
+    ax_train.set(xlabel="step", ylabel="train loss (running mean)", title="training loss")
+    ax_val.set(xlabel="step", ylabel="validation loss", title="validation loss")
     finals = [r["val"][-1][1] for r in runs.values()]
     ax_val.set_ylim(min(finals) - 0.1, max(finals) + 0.6)
     ax_val.legend(fontsize=8)
+    ax_gap.set(xlabel="step", ylabel="val loss vs fp32, same seed (%)",
+               title="validation loss against fp32 (mean over seeds; min..max shaded)")
+    ax_gap.axhline(0, color="k", lw=0.5)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

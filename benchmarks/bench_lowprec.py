@@ -375,6 +375,8 @@ def main() -> None:
                              "bf16 weights STEPS steps in (loss and grads on a few batches)")
     parser.add_argument("--tag", default="", help="results as <date>-lowprec-<tag>-<device>.* (parts run apart keep apart files)")
     args = parser.parse_args()
+    if args.check_compute < 0 or args.seed < 0:
+        parser.error(f"--check-compute and --seed take a count >= 0, got {args.check_compute} and {args.seed}")
     device = torch.device(args.device)
     numel = int(args.size)
     body: list[str] = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+import torch._inductor.config as _inductor_config
 import torch.utils._pytree as pytree
 from torch import Tensor
 
@@ -258,8 +259,13 @@ _INDUCTOR_OPTIONS: dict[str, Any] = {"realize_opcount_threshold": 4}
 # torch < 2.12 asserts in `ForeachKernelSchedulerNode.reorder_loops_by_dep_pair` when foreach
 # ops meet per-tensor reductions over tensors of several shapes, as in Muon's graph on CUDA
 # (pytorch/pytorch#176591, fixed by #176849): loop reordering after fusion stays off there.
-if torch.__version__ < "2.12":
+if torch.torch_version.TorchVersion(torch.__version__) < (2, 12):
     _INDUCTOR_OPTIONS["loop_ordering_after_fusion"] = False
+# Keep a narrowing cast's rounding where the compiled code rounds and widens again (Muon's
+# bf16 emulation, low-precision moments read back): without it inductor fuses the round
+# trip away and the compiled step silently differs from the eager one.
+if hasattr(_inductor_config, "emulate_precision_casts"):
+    _INDUCTOR_OPTIONS["emulate_precision_casts"] = True
 # Per device type, for the flat-buffer path. On CUDA too the scalar math must be realized
 # once: inlined into a 100M-element kernel, float64 `pow`s per element made the step
 # compute-bound (0.5 ms at 10M, 37% of bandwidth at 100M on an H100).

@@ -336,3 +336,19 @@ def test_muon_state_has_no_recompile_when_lr_and_momentum_change():
     eager, _ = opt.update(g, state, params)
     # bf16 iterations amplify ulp-level differences in fusion/accumulation order: 5% of lr
     torch.testing.assert_close(compiled["w"], eager["w"], rtol=0, atol=5e-2 * 0.01)
+
+
+def test_compiled_update_keeps_the_bf16_emulation_of_the_eager_one():
+    # Inductor fuses a `.to(bf16).to(float32)` round trip away unless told to keep it: the
+    # compiled step would then run Newton-Schulz in float32 and silently differ from eager.
+    torch.manual_seed(0)
+    params = {f"w{i}": torch.randn(24, 16) for i in range(2)}
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    opt = ps.muon(lr=0.02, emulate_bf16=True)
+    eager, _ = ps.make_update(opt)(params, grads, opt.init(params))
+    compiled, _ = ps.make_update(opt, compile=True)(params, grads, opt.init(params))
+    f32 = ps.muon(lr=0.02, ns_dtype=torch.float32)
+    in_f32, _ = ps.make_update(f32)(params, grads, f32.init(params))
+    for k in params:
+        assert (eager[k] - in_f32[k]).abs().max() > 1e-5  # the emulation is visible at all
+        torch.testing.assert_close(compiled[k], eager[k], rtol=0, atol=1e-6)

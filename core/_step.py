@@ -17,10 +17,10 @@ from torch import Tensor
 
 from . import _flat
 from . import _lists as ls
-from ._flat_step import FlatStep, FlatUpdate
 from . import _tree as tr
 from ._base import OptState, Params, PyTree, Transform
 from ._combine import apply_in_place
+from ._flat_step import FlatStep, FlatUpdate
 
 Metrics = dict[str, Any]
 

@@ -41,14 +41,15 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-def _first_difference(a: Any, b: Any) -> str | None:
-    """The dotted path of the first leaf where `a` and `b` differ bitwise ('<structure>' if trees differ)."""
+def _first_difference(a: Any, b: Any, same: Callable[[Any, Any], bool] = _same) -> str | None:
+    """The dotted path of the first leaf where `a` and `b` differ (bitwise, or as `same`
+    says; '<structure>' if the trees differ)."""
     pa, sa = ps.tree_flatten_with_path(a)
     pb, sb = ps.tree_flatten_with_path(b)
     if sa != sb:
         return "<structure>"
     for (path, x), (_, y) in zip(pa, pb):
-        if not _same(x, y):
+        if not same(x, y):
             return path or "<root>"
     return None
 

@@ -214,26 +214,18 @@ def _check_in_place(t: ps.Transform, ex: Example, opts: _Options, ups: list, sta
         with torch.no_grad():
             s = _call(f"the in-place apply {where}", apply_in_place, wrapped, ex.grads[k], s, p)[0]
         for label, want, got in (("params", ps.apply_updates(target, u), p), ("state", states[k], s)):
-            if leaf := _first_far(want, got):
+            if leaf := _first_difference(want, got, _close):
                 raise InvariantError(
                     "in_place", f"the in-place apply (affine/apply_) {where} gave other {label} than update at leaf '{leaf}'"
                 )
 
 
-def _first_far(a: Any, b: Any) -> str | None:
-    """The first leaf where `a` and `b` differ beyond the dtype's `TOLERANCES` (NaN equals NaN)."""
-    pa, sa = ps.tree_flatten_with_path(a)
-    pb, sb = ps.tree_flatten_with_path(b)
-    if sa != sb:
-        return "<structure>"
-    for (path, x), (_, y) in zip(pa, pb):
-        if isinstance(x, Tensor) and x.is_floating_point() and x.dtype in TOLERANCES:
-            rtol, atol = TOLERANCES[x.dtype]
-            if x.dtype != y.dtype or not torch.allclose(x.double(), y.double(), rtol=rtol, atol=atol, equal_nan=True):
-                return path or "<root>"
-        elif not _same(x, y):
-            return path or "<root>"
-    return None
+def _close(x: Any, y: Any) -> bool:
+    """Floating leaves within the dtype's `TOLERANCES` (NaN equals NaN); anything else bitwise."""
+    if isinstance(x, Tensor) and x.is_floating_point() and x.dtype in TOLERANCES:
+        rtol, atol = TOLERANCES[x.dtype]
+        return x.dtype == y.dtype and torch.allclose(x.double(), y.double(), rtol=rtol, atol=atol, equal_nan=True)
+    return _same(x, y)
 
 
 def _check_composition(factory, ex: Example, opts: _Options, ups: list, states: list) -> None:

@@ -8,7 +8,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import _flat
+from . import _layout as lay
 from . import _lists as ls
 from . import _tree as tr
 from ._base import EmptyState, Params, Transform, check_hyperparam, check_positive, is_static, leaf_device, zero_count
@@ -62,7 +62,7 @@ def clip_by_global_norm(max_norm: float | Tensor) -> Transform:
 
     def update(grads, state, params=None, **extra):
         gs, spec = pytree.tree_flatten(grads)
-        norm = ls.global_norm(gs)
+        norm = lay.global_norm(grads)
         # coef = min(1, max_norm / (‖g‖ + eps)), a 0-d tensor: no host sync
         coef = torch.clamp(max_norm / (norm + _NORM_EPS), max=1.0)
         out = ls.cast_like(ls.mul(gs, coef), gs)
@@ -110,15 +110,11 @@ def _unit_dims(x: Tensor, axis: int | tuple[int, ...] | None) -> tuple[int, ...]
     return tuple(range(1, x.dim()))  # torch layout: one unit per output channel (dim 0)
 
 
-def _unit_norm(x: Tensor, axis: int | tuple[int, ...] | None, stack: bool = False) -> Tensor:
-    """Unit-wise norms of `x`, or of each member of a (k, *shape) stack (flat buffers)."""
-    dims = _unit_dims(x[0] if stack else x, axis)
+def _unit_norm(x: Tensor, dims: tuple[int, ...], stack: bool = False) -> Tensor:
+    """Norms of `x` over `dims` (one unit per index of the other dims), or of each member of
+    a (k, *shape) stack (flat buffers), keepdim."""
     if stack:  # the member's dims, one further right
-        if dims is None:
-            return torch.linalg.vector_norm(x, dim=tuple(range(1, x.dim())), keepdim=True).expand(x.shape) if x.dim() > 1 else x.abs()
-        return torch.linalg.vector_norm(x, dim=tuple(d + 1 if d >= 0 else d for d in dims), keepdim=True)
-    if dims is None:
-        return torch.linalg.vector_norm(x).expand(x.shape) if x.dim() else torch.linalg.vector_norm(x)
+        dims = tuple(d + 1 if d >= 0 else d for d in dims)
     return torch.linalg.vector_norm(x, dim=dims, keepdim=True)
 
 
@@ -162,13 +158,23 @@ def adaptive_clip(clipping: float = 0.01, eps: float = 1e-3, *, axis: int | tupl
     def update(grads, state, params=None, **extra):
         if params is None:
             raise ValueError("adaptive_clip needs params: call update(grads, state, params)")
-        _flat.need_whole_leaves(grads, stacks=True)  # per-unit norms: same-shape leaves stacked
+        lay.whole_leaves(grads, stacks=True)  # per-unit norms: same-shape leaves stacked
         ps_ = tr.check_match(params, grads, "params", "grads", dtype=False)
         gs, spec = pytree.tree_flatten(grads)
+        flags, shapes = lay.stacked(grads), lay.global_shapes(grads)
+        dims = [_unit_dims(torch.empty(shape, device="meta"), axis) for shape in shapes]
+        if any(d is not None and 0 in d for d in dims) and lay.is_sharded(grads):
+            raise ValueError("adaptive_clip: an axis that reduces over dim 0 needs whole leaves; FSDP2 shards dim 0")
+        # Units that are whole leaves (scalars, vectors): leaf norms, across ranks over shards.
+        whole = [d is None for d in dims]
+        g_whole, p_whole = lay.leaf_norms(grads, gs, ps_) if any(whole) else (None, None)
         out = []
-        for g, p, stack in zip(gs, ps_, _flat.stacked_leaves(grads)):
-            g_norm = _unit_norm(g, axis, stack)
-            max_norm = clipping * torch.clamp(_unit_norm(p, axis, stack).to(g_norm.dtype), min=eps)
+        for i, (g, p, stack) in enumerate(zip(gs, ps_, flags)):
+            if whole[i]:
+                g_norm, p_norm = g_whole[i].expand(g.shape), p_whole[i].expand(p.shape)
+            else:
+                g_norm, p_norm = _unit_norm(g, dims[i], stack), _unit_norm(p, dims[i], stack)
+            max_norm = clipping * torch.clamp(p_norm.to(g_norm.dtype), min=eps)
             clipped = g * (max_norm / torch.clamp(g_norm, min=1e-6))
             out.append(torch.where(g_norm < max_norm, g, clipped).to(g.dtype))
         return pytree.tree_unflatten(out, spec), state
@@ -227,7 +233,7 @@ def clip_by_running_norm(factor: float = 2.0, beta: float = 0.99, warmup_steps: 
 
     def update(grads, state, params=None, **extra):
         gs, spec = pytree.tree_flatten(grads)
-        norm = ls.global_norm(gs).to(state.mu.dtype)
+        norm = lay.global_norm(grads).to(state.mu.dtype)
         c = state.count.to(torch.float64)
         # τ = factor · m / (1 - βᶜ); c >= warmup_steps >= 1 wherever it is used
         debias = torch.clamp(1.0 - beta**c, min=1.0 - beta)

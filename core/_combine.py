@@ -10,6 +10,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from . import _flat
+from . import _layout as lay
 from . import _lists as ls
 from . import _tree as tr
 from ._base import (
@@ -479,7 +480,8 @@ def apply_if_finite(inner: Transform, max_consecutive: int | None = None) -> Tra
     def update(grads, state, params=None, **extra):
         updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
         floats = [x for x in pytree.tree_leaves(inner_state) if isinstance(x, Tensor) and x.is_floating_point()]
-        finite = ls.all_finite(pytree.tree_leaves(grads) + floats).to(state.last_finite.device)
+        # Over FSDP2 shards: one count on every rank, summed in one collective.
+        finite = lay.all_finite(grads, pytree.tree_leaves(grads) + floats).to(state.last_finite.device)
         notfinite = torch.where(finite, torch.zeros_like(state.notfinite_count), state.notfinite_count + 1)
         apply = finite if max_consecutive is None else finite | (notfinite > max_consecutive)
         updates = pytree.tree_map(lambda u: torch.where(apply, u, torch.zeros_like(u)), updates)

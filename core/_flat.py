@@ -95,8 +95,9 @@ class PackSpec:
     Compared by value (group keys and member paths), so trees packed from the same
     layout (params, grads, state entries) have equal pytree specs."""
 
-    def __init__(self, groups: Sequence[_Group], orig_spec: pytree.TreeSpec, proxy: Sequence[Tensor]) -> None:
+    def __init__(self, groups: Sequence[_Group], orig_spec: pytree.TreeSpec, proxy: Sequence[Tensor], shard: Any = None) -> None:
         self.groups = tuple(groups)
+        self.shard = shard  # `_sharded.ShardInfo` when the leaves are this rank's FSDP2 shards
         self.orig_spec = orig_spec  # structure of the unpacked leaves, in `members_in_order`
         self.members_in_order = tuple(sorted((m for g in self.groups for m in g.members), key=lambda m: m.index))
         self.proxy = tuple(proxy)  # meta tensors like the unpacked leaves, in the same order
@@ -134,7 +135,7 @@ class Packed(dict):
             members = sorted((m for g in groups for m in g.members), key=lambda m: m.index)
             by_index = dict(zip((m.index for m in parent.members_in_order), parent.proxy))
             spec = pytree.tree_structure({m.path: 0 for m in members})
-            return PackSpec(groups, spec, [by_index[m.index] for m in members])
+            return PackSpec(groups, spec, [by_index[m.index] for m in members], parent.shard)
 
         spec = resolved(self, ("select", tuple(keep)), sub_spec)
         return Packed(spec, [v for v, k in zip(self.values(), keep) if k])
@@ -275,25 +276,29 @@ def _layout(leaves: list[tuple[str, Tensor]], tags: list[tuple]) -> list[_Group]
     return groups
 
 
-def plan(transform: Any, params: Any, *, max_rounds: int = 8) -> PackSpec:
+def plan(transform: Any, params: Any, *, tags: list[tuple] | None = None, shard: Any = None, max_rounds: int = 8) -> PackSpec:
     """The grouping of `params`' leaves under which `transform` runs on packed buffers.
 
-    Runs `init` and one `update` on tiny stand-ins; each `Regroup` refines the tags.
+    Runs `init` and one `update` on tiny stand-ins; each `Regroup` refines the tags
+    (`tags`: per leaf, where the caller's leaves must be told apart from the start).
+    `shard` (inactive while planning) is attached to the result.
     Raises `Regroup` with a `reason` when the transform cannot run packed. The dry runs
     happen on the CPU, under a forked RNG: a transform that draws from the global RNG
     leaves the caller's stream where it was."""
     with torch.random.fork_rng(devices=[]):
-        return _plan(transform, params, max_rounds)
+        return _plan(transform, params, tags, shard, max_rounds)
 
 
-def _plan(transform: Any, params: Any, max_rounds: int) -> PackSpec:
+def _plan(transform: Any, params: Any, tags: list[tuple] | None, shard: Any, max_rounds: int) -> PackSpec:
     pairs, spec = tr.tree_flatten_with_path(params)
     leaves = [(p, x) for p, x in pairs]
-    tags: list[tuple] = [() for _ in leaves]
-    meta = [torch.empty(x.shape, dtype=x.dtype, device="meta") for _, x in leaves]
+    tags = list(tags) if tags is not None else [() for _ in leaves]
+    # Per-leaf rules see the leaves as the user does: over shards, the whole leaves' shapes.
+    shapes = [shard.slices[i].shape if shard is not None else x.shape for i, (_, x) in enumerate(leaves)]
+    meta = [torch.empty(shape, dtype=x.dtype, device="meta") for shape, (_, x) in zip(shapes, leaves)]
     for _ in range(max_rounds):
         groups = _layout(leaves, tags)
-        pack = PackSpec(groups, spec, meta)
+        pack = PackSpec(groups, spec, meta, shard)
         # Tiny CPU stand-ins (rank kept for lone leaves): the dry run only has to reach the
         # rules that ask for a split, and meta tensors cannot run every kernel.
         fake = Packed(pack, [torch.zeros((1,) * len(g.shape), dtype=g.dtype) for g in groups])
@@ -306,12 +311,14 @@ def _plan(transform: Any, params: Any, max_rounds: int) -> PackSpec:
                 raise
             tags = [t + (e.tags.get(i),) for i, t in enumerate(tags)]
             continue
-        _check_packed_equals_per_leaf(transform, leaves, spec, tags)
+        _check_packed_equals_per_leaf(transform, leaves, spec, tags, shard)
         return pack
     raise Regroup.unsupported(f"no stable grouping after {max_rounds} rounds")
 
 
-def _check_packed_equals_per_leaf(transform: Any, leaves: list[tuple[str, Tensor]], spec: pytree.TreeSpec, tags: list[tuple]) -> None:
+def _check_packed_equals_per_leaf(
+    transform: Any, leaves: list[tuple[str, Tensor]], spec: pytree.TreeSpec, tags: list[tuple], shard: Any
+) -> None:
     """One update on small random stand-ins (each dim at most 3; every leaf its own offset
     and scale, so per-leaf statistics differ), packed and per leaf: the results must agree.
     A transform with per-leaf math that does not say so (a norm per leaf in a user's own
@@ -330,7 +337,7 @@ def _check_packed_equals_per_leaf(transform: Any, leaves: list[tuple[str, Tensor
     small_p, small_g = stand_ins(1), stand_ins(2)
     meta = [torch.empty(x.shape, dtype=x.dtype, device="meta") for _, x in small_p]
     same_devices = [t + (str(x.device),) for t, (_, x) in zip(tags, leaves)]  # stand-ins live on the CPU
-    shell = Packed(PackSpec(_layout(small_p, same_devices), spec, meta), [])
+    shell = Packed(PackSpec(_layout(small_p, same_devices), spec, meta, shard), [])
     trees = [pytree.tree_unflatten([x for _, x in t], spec) for t in (small_p, small_g)]
     packed = [pack_like(shell, t) for t in trees]
     try:

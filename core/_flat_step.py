@@ -68,37 +68,68 @@ class FlatUpdate:
 
     grads_in = True  # grads come from the caller (make_step computes its own)
 
-    def __init__(self, transform: Any, pure: Callable, averaging: Any, options: dict) -> None:
+    def __init__(self, transform: Any, pure: Callable, averaging: Any, options: dict, compile: bool = True) -> None:
         self.transform, self.pure, self.averaging, self.options = transform, pure, averaging, options
+        self.compile = compile
         self.bound: dict[str, Any] | None = None
+        self.why_not: str | None = None  # why the last `plans` said no
 
     def layout(self) -> dict[str, list[str]]:
         return {g.key: [m.path for m in g.members] for g in self.bound["groups"]}
 
+    # -- what a subclass over other leaves (FSDP2 shards, `_sharded`) changes ----
+    def local(self, tree: Any) -> Any:
+        """The tensors the buffers stand for, leaf for leaf (the user's own here)."""
+        return tree
+
+    def plan_for(self, params: Any) -> Any:
+        return plan(self.transform, params)
+
+    def bind_params(self, params: Any, packed_params: Packed, groups: list, p_raw: list[Tensor]) -> None:
+        bind_tree(params, packed_params, "params")
+
+    def slack(self, params: Any, group: Any) -> int:
+        """Elements to allocate past the end of a group's param buffer."""
+        return 0
+
+    def after_run(self) -> None:
+        pass
+
+    def repoint_grads_views(self) -> bool:
+        """Re-point grads that are views into someone else's buffer too (else copied)."""
+        return False
+
     # -- binding -------------------------------------------------------------
     def plans(self, params: Any) -> bool:
-        """Whether the transform runs on packed buffers for these params."""
+        """Whether the transform runs on packed buffers for these params (`why_not` if not)."""
         try:
-            plan(self.transform, params)
+            self.plan_for(params)
+            self.why_not = None
             return True
-        except Regroup:
+        except Regroup as e:
+            self.why_not = e.reason or "no stable grouping"
             return False
 
     def _bind(self, params: Any, opt_state: Any, ema_state: Any) -> None:
-        pack = plan(self.transform, params)
+        pack = self.plan_for(params)
+        user_state, user_ema = opt_state, ema_state  # kept to tell a new state tree from this one
+        params, opt_state, ema_state = self.local(params), self.local(opt_state), self.local(ema_state)
         groups, spec = pack.groups, pack.orig_spec
         pairs, _ = tr.tree_flatten_with_path(params)
-        p_buf = [torch.empty(g.shape, dtype=g.dtype, device=g.device) for g in groups]
+        p_raw = [torch.empty(g.numel + self.slack(params, g), dtype=g.dtype, device=g.device) for g in groups]
+        p_buf = [r[: g.numel].view(g.shape) for g, r in zip(groups, p_raw)]
         # make_step computes its grads inside the step: no grad buffer to keep.
         g_buf = [torch.zeros(g.shape, dtype=g.dtype, device=g.device) for g in groups] if self.grads_in else []
         packed_params, packed_grads = Packed(pack, p_buf), (Packed(pack, g_buf) if self.grads_in else None)
-        bind_tree(params, packed_params, "params")
+        self.bind_params(params, packed_params, groups, p_raw)
         with torch.no_grad():
             packed_state = self.transform.init(packed_params)
             packed_ema = self.averaging[0](packed_params) if self.averaging is not None else None
         bind_tree(opt_state, packed_state, "opt_state")
         if self.averaging is not None:
             bind_tree(ema_state, packed_ema, "ema_state")
+        if pack.shard is not None:
+            pack.shard.active = True  # planned: from now on the reductions span the ranks
         trees = (packed_params, packed_grads, packed_state, packed_ema)
         flat = [pytree.tree_flatten(t) for t in trees]
         g_views = [v for g, b in zip(groups, g_buf) for v in g.views(b)] if self.grads_in else []
@@ -111,8 +142,8 @@ class FlatUpdate:
             "params": [x for _, x in pairs],
             "param_spec": spec,
             "param_ptrs": [x.data_ptr() for _, x in pairs],
-            "state": opt_state,
-            "ema": ema_state,
+            "state": user_state,
+            "ema": user_ema,
             "keys": list(params) if type(params) is dict else None,
             "fn": self._compile([s for _, s in flat], groups[0].device if groups else torch.device("cpu")),
             "calls": 0,
@@ -128,7 +159,7 @@ class FlatUpdate:
             for dst, src in zip((p, s, e), out):
                 _write_back(dst, src)
 
-        return _compile_own(step, self.options.get(device.type, {}))
+        return _compile_own(step, self.options.get(device.type, {})) if self.compile else step
 
     def _grads_in(self, grads: Any) -> None:
         views, keys = self.bound["grad_views"], self.bound["keys"]
@@ -139,7 +170,7 @@ class FlatUpdate:
         stale = [(v, g) for v, g in zip(views, leaves) if g.data_ptr() != v.data_ptr() or g.shape != v.shape]
         with torch.no_grad():
             for v, g in stale:
-                if g._is_view():  # a view into someone else's buffer (DDP buckets): copy, leave it be
+                if g._is_view() and not self.repoint_grads_views():  # a view into a DDP bucket: copy, leave it be
                     v.copy_(g)
                 else:
                     # One copy into the flat grad buffer; the grad tensor then views it, so a
@@ -148,6 +179,7 @@ class FlatUpdate:
 
     def _params_moved(self, params: Any) -> bool:
         leaves = list(params.values()) if type(params) is dict else pytree.tree_leaves(params)
+        leaves = [self.local(x) for x in leaves]
         b = self.bound
         return len(leaves) != len(b["params"]) or any(
             x is not y or x.data_ptr() != ptr for x, y, ptr in zip(leaves, b["params"], b["param_ptrs"])
@@ -160,16 +192,17 @@ class FlatUpdate:
             self._bind(params, opt_state, ema_state)
             b = self.bound
         self._take_in_state(opt_state, ema_state)
-        self._grads_in(grads)
+        self._grads_in(self.local(grads))
         _run(b, b["buffers"])
+        self.after_run()
 
     def _take_in_state(self, opt_state: Any, ema_state: Any) -> None:
         b = self.bound
         if opt_state is not b["state"]:
-            bind_tree(opt_state, pytree.tree_unflatten(b["buffers"][2], b["specs"][2]), "opt_state")
+            bind_tree(self.local(opt_state), pytree.tree_unflatten(b["buffers"][2], b["specs"][2]), "opt_state")
             b["state"] = opt_state
         if self.averaging is not None and ema_state is not b["ema"]:
-            bind_tree(ema_state, pytree.tree_unflatten(b["buffers"][3], b["specs"][3]), "ema_state")
+            bind_tree(self.local(ema_state), pytree.tree_unflatten(b["buffers"][3], b["specs"][3]), "ema_state")
             b["ema"] = ema_state
 
 

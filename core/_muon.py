@@ -12,7 +12,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import _flat
+from . import _layout as lay
 from . import _precision as lp
 from . import _lists as ls
 from . import _tree as tr
@@ -120,7 +120,7 @@ def orthogonalize_leaves(
     stacked: list[bool] | None = None,
 ) -> list[Tensor]:
     """Each leaf (≥ 2-D, seen as shape[0] × prod(rest)) orthogonalized; a leaf marked in
-    `stacked` is k such matrices, (k, *shape) (see `_flat.stacked_leaves`). Matrices of one
+    `stacked` is k such matrices, (k, *shape) (see `_layout.stacked`). Matrices of one
     shape (or its transpose) share one batched matmul per iteration; results come back in
     each leaf's shape and dtype. `emulate_bf16` as `scale_by_muon`'s (None: on CPUs without
     bf16 matmul units)."""
@@ -241,7 +241,7 @@ def scale_by_muon(
         )
 
     def init(params: Params) -> ScaleByMuonState:
-        _flat.need_whole_leaves(params, stacks=True)  # per-matrix math: same-shape matrices stacked
+        lay.whole_leaves(params, stacks=True)  # per-matrix math: same-shape matrices stacked
         _check_matrices(params, "params")
         leaves = pytree.tree_leaves(params)
         return ScaleByMuonState(zero_count(leaf_device(leaves)), lp.init_moments(params, mu_dtype))
@@ -255,10 +255,13 @@ def scale_by_muon(
         mu = ls.cast_like(ls.ema(mu, wide, beta), wide)
         # m̃ = (1-β)·g + β·m with nesterov, else m
         src = ls.cast_like(ls.ema(wide, mu, 1.0 - beta), wide) if nesterov else mu
-        stacked = _flat.stacked_leaves(grads)
-        ortho = orthogonalize_leaves(src, coefficients, safety, eps, ns_dtype, emulate_bf16, stacked)
-        shapes = [o.shape[1:] if k else o.shape for o, k in zip(ortho, stacked)]
-        out = ls.cast_like([o * _lr_ratio(s, adjust_lr) for o, s in zip(ortho, shapes)], gs)
+
+        def scaled_orthogonal(mats: list[Tensor], stacked: list[bool]) -> list[Tensor]:
+            # On whole matrices (over FSDP2 shards: once, on each matrix's owner rank).
+            ortho = orthogonalize_leaves(mats, coefficients, safety, eps, ns_dtype, emulate_bf16, stacked)
+            return [o * _lr_ratio(o.shape[1:] if k else o.shape, adjust_lr) for o, k in zip(ortho, stacked)]
+
+        out = ls.cast_like(lay.map_matrices(grads, scaled_orthogonal, src), gs)
         stored = lp.store_moments(mu, state.mu, lp.moment_keys(state.count, rounding, state.mu))
         return pytree.tree_unflatten(out, spec), ScaleByMuonState(state.count + 1, stored)
 

@@ -11,7 +11,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import _flat
+from . import _layout as lay
 from . import _precision as lp
 from . import _lists as ls
 from . import _tree as tr
@@ -394,12 +394,12 @@ def scale_by_trust_ratio(*, min_norm: float = 0.0, trust_coefficient: float = 1.
     def update(grads, state, params=None, **extra):
         if params is None:
             raise ValueError("scale_by_trust_ratio needs params: call update(grads, state, params)")
-        _flat.need_whole_leaves(grads, stacks=True)  # per-leaf norms: same-shape leaves stacked
+        lay.whole_leaves(grads, stacks=True)  # per-leaf norms: same-shape leaves stacked
         ps_ = tr.check_match(params, grads, "params", "grads", dtype=False)
         us, spec = pytree.tree_flatten(grads)
-        stacked = _flat.stacked_leaves(grads)
-        p_norm = [torch.clamp(n, min=min_norm) for n in ls.member_norms(ps_, stacked)]
-        u_norm = [torch.clamp(n, min=min_norm) for n in ls.member_norms(us, stacked)]
+        p_norms, u_norms = lay.leaf_norms(grads, ps_, us)  # over shards: whole leaves' norms, one collective
+        p_norm = [torch.clamp(n, min=min_norm) for n in p_norms]
+        u_norm = [torch.clamp(n, min=min_norm) for n in u_norms]
         ratios = [
             torch.where((pn == 0) | (un == 0), torch.ones_like(pn), trust_coefficient * pn / (un + eps))
             for pn, un in zip(p_norm, u_norm)

@@ -20,6 +20,7 @@ from . import _lists as ls
 from . import _tree as tr
 from ._base import OptState, Params, PyTree, Transform
 from ._combine import apply_in_place
+from . import _sharded
 from ._flat_step import FlatStep, FlatUpdate
 
 Metrics = dict[str, Any]
@@ -276,6 +277,17 @@ def _maybe_compile(fn: Callable, compile: bool) -> Callable:
     return torch.compile(fn, fullgraph=True, options=_INDUCTOR_OPTIONS) if compile else fn
 
 
+def _tied_leaves(tree: PyTree) -> tuple[str, str] | None:
+    """The paths of two leaves that are the same tensor, if any."""
+    seen: dict[int, str] = {}
+    for path, x in tr.tree_flatten_with_path(tree)[0]:
+        if isinstance(x, Tensor):
+            if id(x) in seen:
+                return seen[id(x)], path
+            seen[id(x)] = path
+    return None
+
+
 def _plain_leaves(tree: PyTree) -> bool:
     """Leaves the flat layout can re-point: dense tensors (Parameters too), not subclasses such as DTensor."""
     leaves = pytree.tree_leaves(tree)
@@ -378,27 +390,65 @@ def make_update(
 
     inner = pure if not donate else in_place if compile else eager_in_place
     inner = _maybe_compile(inner, compile)
-    packed = FlatUpdate(optimizer, pure, averaging, _FLAT_OPTIONS) if compile and donate and flat else None
+    # The engine: which path runs the update, chosen on the first donated call (`explain`).
+    chosen: dict[str, Any] = {"path": None, "why": "not called yet", "engine": None}
+
+    def choose(params: Params, grads: PyTree) -> None:
+        tr.check_match(grads, params, "grads", "params")
+        tied = _tied_leaves(params)
+        if tied:
+            raise ValueError(
+                f"donate=True: params '{tied[0]}' and '{tied[1]}' are the same tensor; an in-place update would "
+                "apply both leaves' updates to it. Pass a shared (tied) param once, as model.named_parameters() does"
+            )
+        if _sharded.has_dtensors(params):
+            engine = _sharded.ShardedUpdate(optimizer, pure, averaging, _FLAT_OPTIONS, compile) if flat else None
+            if engine is not None and engine.plans(params):
+                chosen.update(path="sharded", engine=engine, why="DTensor params: flat buffers over this rank's shards")
+            else:
+                why = "flat=False" if engine is None else f"not on shards: {engine.why_not}"
+                # Eager: dynamo does not trace copies into DTensors.
+                chosen.update(path="per-leaf DTensor", engine=in_place, why=f"{why}; eager, whole DTensors")
+            return
+        if compile and flat:
+            engine = FlatUpdate(optimizer, pure, averaging, _FLAT_OPTIONS)
+            if not _plain_leaves(params):
+                why = "leaves that are not plain dense tensors"
+            elif engine.plans(params):
+                chosen.update(path="flat", engine=engine, why="compile=True, donate=True: flat buffers per group")
+                return
+            else:
+                why = engine.why_not
+            chosen.update(path="per-leaf compiled", engine=inner, why=f"not on flat buffers: {why}")
+            return
+        chosen.update(path="per-leaf compiled" if compile else "eager in place", engine=inner,
+                      why="flat=False" if compile else "donate=True without compile")
 
     def update(params: Params, grads: PyTree, opt_state: OptState, *ema_state: Any) -> tuple:
-        nonlocal packed
         if len(ema_state) != (averaging is not None):
             want = "(params, grads, opt_state, ema_state)" if averaging else "(params, grads, opt_state)"
             raise TypeError(f"update takes {want}; got {3 + len(ema_state)} arguments")
         if not donate:
             return inner(params, grads, opt_state, *ema_state)
-        if packed is not None and packed.bound is None:
-            tr.check_match(grads, params, "grads", "params")
-            if not _plain_leaves(params) or not packed.plans(params):
-                packed = None  # this transform or these leaves stay on the per-leaf path
+        if chosen["engine"] is None:
+            choose(params, grads)
         with torch.no_grad():  # a donated update is never differentiated: record no graph
-            (packed or inner)(params, grads, opt_state, *ema_state)
+            chosen["engine"](params, grads, opt_state, *ema_state)
         return (params, opt_state, *ema_state)
 
     def layout() -> dict[str, list[str]] | None:
-        """The flat buffers in use: `{buffer: [leaf paths]}`, or None on the per-leaf path."""
-        return None if packed is None or packed.bound is None else packed.layout()
+        """The flat buffers in use: `{buffer: [leaf paths]}`, or None on a per-leaf path."""
+        engine = chosen["engine"]
+        return engine.layout() if isinstance(engine, FlatUpdate) and engine.bound is not None else None
 
+    def explain() -> str:
+        """Which path runs the update, and why: "flat", "sharded", "per-leaf compiled",
+        "eager in place", "per-leaf DTensor" or "pure" (`donate=False`)."""
+        if not donate:
+            return "pure: donate=False returns new trees (differentiable, vmappable)"
+        return f"{chosen['path']}: {chosen['why']}" if chosen["path"] else "not chosen yet: the first call chooses"
+
+    update.explain = explain
     update.layout = layout
     return update
 

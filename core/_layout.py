@@ -1,0 +1,134 @@
+"""What a transform may ask of the tree it is given, whatever path runs it.
+
+A transform sees one of three kinds of trees: the user's leaves (the per-leaf paths),
+a `Packed` tree of flat buffers (one process, `_flat`), or a `Packed` tree over this
+rank's FSDP2 shards (`_sharded`). Math that is not elementwise says what it needs here
+and never looks at the layout itself:
+
+- `whole_leaves(tree)`: its math is per leaf (a norm, a matrix function), so a flat
+  buffer must hold one leaf or a (k, *shape) stack of same-shape leaves (`stacked`);
+- `global_norm`, `all_finite`, `leaf_norms`: reductions over the tree, computed on what
+  this process holds and then, over shards, summed across ranks: one batched collective
+  per call, whatever the number of tensors;
+- `map_matrices(tree, fn, xs)`: `fn` on whole matrices. Over shards, each matrix is
+  assembled on one owner rank (all-to-all), `fn` runs there once, and each rank gets its
+  rows of the result back.
+
+On plain trees these are the ordinary per-leaf computations.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from . import _flat
+from . import _lists as ls
+
+
+def _shard(tree: Any) -> Any:
+    """The shard description of a packed tree over FSDP2 shards (collectives on), or None."""
+    spec = getattr(tree, "pack_spec", None)
+    shard = getattr(spec, "shard", None)
+    return shard if shard is not None and shard.active else None
+
+
+def is_sharded(tree: Any) -> bool:
+    """Whether `tree`'s leaves are this rank's FSDP2 shards of larger leaves."""
+    return getattr(getattr(tree, "pack_spec", None), "shard", None) is not None
+
+
+def whole_leaves(tree: Any, *, stacks: bool = True, sharded: bool = True) -> None:
+    """Declare per-leaf math on `tree`'s leaves: under flat buffers each leaf the
+    transform sees is one leaf or, with `stacks`, a (k, *shape) stack of same-shape leaves
+    (math batched over dim 0). `sharded=False`: the math cannot run on shards through this
+    module's reductions, so a sharded step runs the transform on whole DTensors instead."""
+    spec = getattr(tree, "pack_spec", None)
+    if spec is not None and spec.shard is not None and not sharded:
+        raise _flat.Regroup.unsupported("a transform with per-leaf math that is not written for shards")
+    _flat.need_whole_leaves(tree, stacks=stacks)
+
+
+def stacked(tree: Any) -> list[bool]:
+    """Per leaf of `tree`: whether it is a (k, *shape) stack of k same-shape leaves."""
+    return _flat.stacked_leaves(tree)
+
+
+def global_shapes(tree: Any) -> list[torch.Size]:
+    """Per leaf of `tree`: the shape of the whole leaf it stands for (of one member, for a
+    stack): a shard's full shape under FSDP2, the leaf's own shape otherwise."""
+    spec = getattr(tree, "pack_spec", None)
+    if spec is None:
+        return [x.shape for x in pytree.tree_leaves(tree)]
+    full = spec.shard.full_shape if spec.shard is not None else (lambda m: m.shape)
+    return [full(g.members[0]) if (len(g.members) == 1 or g.is_stack) else torch.Size([g.numel]) for g in spec.groups]
+
+
+def global_norm(tree: Any) -> Tensor:
+    """‖tree‖₂ over every leaf, a 0-d tensor accumulated in float32 at least."""
+    xs = pytree.tree_leaves(tree)
+    shard = _shard(tree)
+    if shard is None:
+        return ls.global_norm(xs)
+    acc = torch.float64 if any(x.dtype == torch.float64 for x in xs) else torch.float32
+    # Σ x² per buffer; a buffer of replicated leaves is counted on rank 0 only.
+    parts = [torch.sum(torch.square(x.to(acc))) * w for x, w in zip(xs, shard.group_weights(tree.pack_spec))]
+    total = torch.stack(parts).sum() if parts else torch.zeros((), dtype=acc)
+    return torch.sqrt(shard.all_reduce(total))
+
+
+def all_finite(tree: Any, xs: Sequence[Tensor]) -> Tensor:
+    """A 0-d bool: every element of `xs` is finite on every rank (`tree` says the layout)."""
+    shard = _shard(tree)
+    if shard is None:
+        return ls.all_finite(list(xs))
+    bad = torch.zeros((), dtype=torch.int64, device=xs[0].device if xs else None)
+    for x in xs:
+        bad = bad + (~torch.isfinite(x)).sum()
+    return shard.all_reduce(bad) == 0
+
+
+def leaf_norms(tree: Any, *lists: Sequence[Tensor]) -> list[Tensor] | list[list[Tensor]]:
+    """‖x‖₂ of each leaf of `tree`, for each list of values shaped like its leaves (one
+    list: its norms; several: a list per list); a stack gives its members' norms shaped
+    (k, 1, ...). Over shards, the norms of whole leaves, all lists in one collective."""
+    flags = stacked(tree)
+    shard = _shard(tree)
+    if shard is None:
+        out = [ls.member_norms(list(xs), flags) for xs in lists]
+        return out[0] if len(lists) == 1 else out
+    every = [x for xs in lists for x in xs]
+    acc = torch.float64 if any(x.dtype == torch.float64 for x in every) else torch.float32
+    weights = shard.member_weights(tree.pack_spec, acc, every[0].device)
+    parts = [
+        torch.sum(torch.square(x.to(acc)), dim=tuple(range(1, x.dim()))) if s else torch.sum(torch.square(x.to(acc))).reshape(1)
+        for xs in lists
+        for x, s in zip(xs, flags)
+    ]
+    total = torch.sqrt(shard.all_reduce(torch.cat(parts) * weights.repeat(len(lists))))
+    out, at = [], 0
+    for xs in lists:
+        norms = []
+        for x, s in zip(xs, flags):
+            k = x.shape[0] if s else 1
+            n = total[at : at + k]
+            at += k
+            norms.append(n.reshape((k,) + (1,) * (x.dim() - 1)).to(x.dtype) if s else n.reshape(()).to(x.dtype))
+        out.append(norms)
+    return out[0] if len(lists) == 1 else out
+
+
+def map_matrices(tree: Any, fn: Callable[[list[Tensor], list[bool]], list[Tensor]], xs: Sequence[Tensor]) -> list[Tensor]:
+    """`fn(leaves, stacked) -> results` (same shapes) on whole matrices.
+
+    `xs` are values shaped like `tree`'s leaves. `fn` is called with whole leaves, a stack
+    marked in `stacked` being k of them; over FSDP2 shards, each rank calls it once with the
+    whole matrices it owns (owners balanced by cost, see `_sharded`), and gets back its
+    rows of every result."""
+    shard = _shard(tree)
+    if shard is None:
+        return fn(list(xs), stacked(tree))
+    return shard.map_matrices(tree.pack_spec, fn, list(xs))

@@ -1,0 +1,300 @@
+"""The compiled, donated update over FSDP2 shards: flat buffers of this rank's shards.
+
+FSDP2 params (and grads, and any state built from them) are `DTensor`s sharded on dim 0:
+each rank holds a contiguous block of rows of every leaf, `Tensor`-typed, in
+`DTensor._local_tensor`. Elementwise math does not care that a block is not the whole
+leaf, so `ShardedUpdate` lays the local blocks out in flat buffers exactly as `_flat` does
+in one process and runs the compiled step there: one kernel per group, no DTensor
+dispatch. What is not elementwise goes through `_layout`, which this module's `ShardInfo`
+serves:
+
+- reductions over the tree (the grad norm, `apply_if_finite`'s count, per-leaf norms) are
+  local partial sums and one batched `all_reduce` each (functional collectives, so they
+  trace into the compiled step);
+- whole-matrix math (Muon) is owner-computes: every matrix gets an owner rank (balanced
+  by Newton-Schulz cost, recomputed from the shapes, never saved), the blocks travel to
+  their owners in one `all_to_all_single`, the owner runs the math once per matrix
+  (same-shape matrices batched), and the results' rows travel back in a second one.
+
+The storage rule. FSDP2 all-gathers a param before each forward from the storage of its
+sharded local tensor (`FSDPParam._sharded_param_data` shares that storage, padded). The
+user's DTensors therefore keep their storage *objects*: the memory behind each one is
+moved into the flat buffer (`UntypedStorage._swap_data_ptr_`: the storage's old memory is
+released, every tensor on it, FSDP's own included, now reads and writes the buffer), so
+an update in the buffer is what the next all-gather sends. A param whose storage holds
+more than its own block (a view into something larger) is copied back after each step
+instead. State and grad leaves are re-pointed (`Tensor.set_`) as in one process; a grad
+FSDP2 accumulates into (`grad._local_tensor += ...`) is then written in the buffer directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from . import _tree as tr
+from ._flat import Packed, PackSpec, plan
+from ._flat_step import FlatUpdate, aliases
+
+
+def _dtensor_type() -> Any:
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
+
+
+def is_dtensor(x: Any) -> bool:
+    cls = _dtensor_type()
+    return cls is not None and isinstance(x, cls)
+
+
+def has_dtensors(tree: Any) -> bool:
+    return any(is_dtensor(x) for x in pytree.tree_leaves(tree))
+
+
+def local(x: Any) -> Any:
+    """This rank's block of a DTensor (the tensor object FSDP2 keeps), else `x`."""
+    return x._local_tensor if is_dtensor(x) else x
+
+
+def local_tree(tree: Any) -> Any:
+    return pytree.tree_map(local, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slice:
+    """A leaf as the ranks hold it: rows [starts[r], starts[r] + counts[r]) on rank r."""
+
+    shape: torch.Size  # the whole leaf's
+    starts: tuple[int, ...]
+    counts: tuple[int, ...]
+    sharded: bool  # False: every rank holds all of it (Replicate, or a plain tensor)
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.shape[1:])
+
+
+def _slice_of(path: str, x: Any, world: int, rank: int) -> _Slice:
+    if not is_dtensor(x):
+        return _Slice(x.shape, (0,) * world, (x.shape[0] if x.dim() else 1,) * world, False)
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = tuple(x.placements)
+    if x.device_mesh.ndim != 1 or len(placements) != 1:
+        raise ValueError(f"param '{path}' is a DTensor over a {x.device_mesh.ndim}-D mesh; purestep's sharded step takes 1-D meshes (FSDP2)")
+    placement = placements[0]
+    if isinstance(placement, Replicate):
+        return _Slice(x.shape, (0,) * world, (x.shape[0] if x.dim() else 1,) * world, False)
+    if not (isinstance(placement, Shard) and placement.dim == 0):
+        raise ValueError(f"param '{path}' is placed {placement}; purestep's sharded step takes Shard(0) (FSDP2's default) or Replicate")
+    rows = x.shape[0]
+    chunk = -(-rows // world)  # torch.chunk: ceil(rows / world) rows per rank, the last ones fewer or none
+    starts = tuple(min(r * chunk, rows) for r in range(world))
+    counts = tuple(min(chunk, rows - s) for s in starts)
+    if tuple(x._local_tensor.shape) != (counts[rank], *x.shape[1:]):
+        raise ValueError(
+            f"param '{path}': this rank holds {tuple(x._local_tensor.shape)} of {tuple(x.shape)}, not torch.chunk's "
+            f"{(counts[rank], *x.shape[1:])} rows; purestep's sharded step takes FSDP2's even chunking"
+        )
+    return _Slice(x.shape, starts, counts, True)
+
+
+class ShardInfo:
+    """How the leaves of a packed tree are spread over the ranks of one process group, and
+    the collectives `_layout` runs over it. Off (`active=False`) while a layout is planned:
+    the dry runs on stand-ins then reduce locally and communicate nothing."""
+
+    def __init__(self, group: Any, slices: list[_Slice]) -> None:
+        self.group = group
+        self.world = torch.distributed.get_world_size(group)
+        self.rank = torch.distributed.get_rank(group)
+        self.slices = slices  # by leaf index (flatten order of the params)
+        self.active = False
+        self._owners: dict[tuple[int, ...], dict[int, int]] = {}
+
+    # -- shapes and weights -----------------------------------------------------
+    def full_shape(self, member: Any) -> torch.Size:
+        return self.slices[member.index].shape
+
+    def _weight(self, index: int) -> float:
+        return 1.0 if self.slices[index].sharded or self.rank == 0 else 0.0
+
+    def group_weights(self, spec: PackSpec) -> list[float]:
+        """Per group: 1, or for a group of replicated leaves 1 on rank 0 and 0 elsewhere, so
+        that a sum over ranks counts each element once (groups never mix the two kinds)."""
+        return [self._weight(g.members[0].index) for g in spec.groups]
+
+    def member_weights(self, spec: PackSpec, dtype: torch.dtype, device: Any) -> Tensor:
+        """`group_weights` per member, in the order `_layout.leaf_norms` lays them out."""
+        return torch.tensor([self._weight(m.index) for g in spec.groups for m in (g.members if g.is_stack else g.members[:1])],
+                            dtype=dtype, device=device)
+
+    # -- collectives --------------------------------------------------------------
+    def all_reduce(self, t: Tensor) -> Tensor:
+        if self.world == 1:
+            return t
+        import torch.distributed._functional_collectives as fc
+
+        return fc.wait_tensor(fc.all_reduce(t, "sum", self.group))
+
+    def _all_to_all(self, x: Tensor, out_splits: list[int], in_splits: list[int]) -> Tensor:
+        import torch.distributed._functional_collectives as fc
+
+        return fc.wait_tensor(fc.all_to_all_single(x, out_splits, in_splits, self.group))
+
+    def owners(self, indices: tuple[int, ...]) -> dict[int, int]:
+        """leaf index -> owner rank for the sharded matrices `indices`: largest Newton-Schulz
+        cost (m·n·min(m, n)) first, each to the least loaded rank (ties: the lowest rank)."""
+        if indices not in self._owners:
+            def cost(i: int) -> int:
+                rows, cols = self.slices[i].shape[0], self.slices[i].row_numel
+                return rows * cols * min(rows, cols)
+
+            load = [0] * self.world
+            owner = {}
+            for i in sorted(indices, key=lambda i: (-cost(i), i)):
+                r = min(range(self.world), key=lambda r: (load[r], r))
+                owner[i] = r
+                load[r] += cost(i)
+            self._owners[indices] = owner
+        return self._owners[indices]
+
+    def map_matrices(self, spec: PackSpec, fn: Callable, xs: list[Tensor]) -> list[Tensor]:
+        """`_layout.map_matrices` over shards: owner-computes (see the module docstring)."""
+        blocks: dict[int, Tensor] = {}  # leaf index -> this rank's block
+        for g, x in zip(spec.groups, xs):
+            members = g.members
+            parts = list(x.unbind(0)) if g.is_stack else [x]
+            blocks.update((m.index, p) for m, p in zip(members, parts))
+        sharded = tuple(sorted(i for i in blocks if self.slices[i].sharded))
+        results: dict[int, Tensor] = {}
+        replicated = [i for i in sorted(blocks) if not self.slices[i].sharded]
+        if replicated:  # every rank holds these whole: computed where they are
+            results.update(zip(replicated, fn([blocks[i] for i in replicated], [False] * len(replicated))))
+        if sharded:
+            results.update(self._owner_computes(sharded, blocks, fn))
+        out = []
+        for g, x in zip(spec.groups, xs):
+            parts = [results[m.index].reshape(blocks[m.index].shape) for m in g.members]
+            out.append(torch.stack(parts) if g.is_stack else parts[0])
+        return out
+
+    def _owner_computes(self, indices: tuple[int, ...], blocks: dict[int, Tensor], fn: Callable) -> dict[int, Tensor]:
+        owner, me, world = self.owners(indices), self.rank, self.world
+        mine = [i for i in indices if owner[i] == me]
+        dtype = blocks[indices[0]].dtype
+        sl = self.slices
+        # Blocks to their owners: to rank d, my rows of every matrix d owns, in leaf order.
+        send = [blocks[i].reshape(-1).to(dtype) for d in range(world) for i in indices if owner[i] == d]
+        in_splits = [sum(sl[i].counts[me] * sl[i].row_numel for i in indices if owner[i] == d) for d in range(world)]
+        out_splits = [sum(sl[i].counts[s] * sl[i].row_numel for i in mine) for s in range(world)]
+        got = self._all_to_all(torch.cat(send) if send else blocks[indices[0]].new_zeros(0), out_splits, in_splits)
+        pieces = got.split([sl[i].counts[s] * sl[i].row_numel for s in range(world) for i in mine])
+        whole = []
+        for k, i in enumerate(mine):  # rank s's rows of matrix i sit at s·len(mine) + k
+            rows = [pieces[s * len(mine) + k].view(sl[i].counts[s], *sl[i].shape[1:]) for s in range(world)]
+            whole.append(torch.cat(rows) if len(rows) > 1 else rows[0])
+        done = fn(whole, [False] * len(whole)) if whole else []
+        # Results back: to rank d, its rows of every matrix I own.
+        back = [o[sl[i].starts[d] : sl[i].starts[d] + sl[i].counts[d]].reshape(-1) for d in range(world) for i, o in zip(mine, done)]
+        in_splits = [sum(sl[i].counts[d] * sl[i].row_numel for i in mine) for d in range(world)]
+        out_splits = [sum(sl[i].counts[me] * sl[i].row_numel for i in indices if owner[i] == s) for s in range(world)]
+        ref = done[0] if done else blocks[indices[0]]
+        got = self._all_to_all(torch.cat(back) if back else ref.new_zeros(0), out_splits, in_splits)
+        order = [i for s in range(world) for i in indices if owner[i] == s]
+        parts = got.split([sl[i].counts[me] * sl[i].row_numel for i in order])
+        return {i: p.view(blocks[i].shape) for i, p in zip(order, parts)}
+
+
+# --------------------------------------------------------------------------- #
+# The step.
+# --------------------------------------------------------------------------- #
+
+
+def _move_storage(user: Tensor, view: Tensor, room: int) -> bool:
+    """Move the memory behind `user`'s storage into the buffer at `view` (values copied
+    first), so every tensor on that storage reads and writes the buffer from now on.
+    False (nothing done) when the storage is not `user`'s alone from its start, or needs
+    more than `room` bytes from `view` on."""
+    storage = user.untyped_storage()
+    if user.storage_offset() != 0 or storage.nbytes() > room or user.numel() == 0:
+        return False
+    with torch.no_grad():
+        view.copy_(user)
+    spare = torch._C._construct_storage_from_data_pointer(view.data_ptr(), view.device, storage.nbytes())
+    storage._swap_data_ptr_(spare)  # `spare` now owns the old memory and frees it when dropped
+    return True
+
+
+class ShardedUpdate(FlatUpdate):
+    """`FlatUpdate` over this rank's FSDP2 shards (see the module docstring)."""
+
+    def __init__(self, transform: Any, pure: Callable, averaging: Any, options: dict, compile: bool) -> None:
+        super().__init__(transform, pure, averaging, options, compile)
+        self.copy_back: list[tuple[Tensor, Tensor]] = []
+        self._planned: tuple[list[int], PackSpec] | None = None
+
+    def local(self, tree: Any) -> Any:
+        return local_tree(tree)
+
+    def shard_info(self, params: Any) -> ShardInfo:
+        pairs, _ = tr.tree_flatten_with_path(params)
+        # One mesh (fully_shard per block makes equal mesh objects: compared by their ranks).
+        meshes = {(x.device_mesh.device_type, tuple(x.device_mesh.mesh.flatten().tolist())): x.device_mesh for _, x in pairs if is_dtensor(x)}
+        if len(meshes) != 1:
+            raise ValueError(f"the params' DTensors live on {len(meshes)} device meshes; purestep's sharded step takes one")
+        mesh = next(iter(meshes.values()))
+        group = mesh.get_group()
+        world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+        return ShardInfo(group, [_slice_of(p, x, world, rank) for p, x in pairs])
+
+    def bind_params(self, params: Any, packed_params: Packed, groups: list, p_raw: list[Tensor]) -> None:
+        """The user's param blocks into the buffers, keeping their storage objects."""
+        views = {m.index: v for g, b in zip(groups, packed_params.values()) for m, v in zip(g.members, g.views(b))}
+        raw_end = {m.index: r.data_ptr() + r.nbytes for g, r in zip(groups, p_raw) for m in g.members}
+        self.copy_back = []
+        pairs, _ = tr.tree_flatten_with_path(params)
+        for i, (path, x) in enumerate(pairs):
+            user, view = local(x), views[i]
+            if user.shape != view.shape or user.dtype != view.dtype:
+                raise ValueError(f"param '{path}': expected {tuple(view.shape)} {view.dtype}, got {tuple(user.shape)} {user.dtype}")
+            if aliases(user, view):
+                continue
+            if not _move_storage(user, view, raw_end[i] - view.data_ptr()):
+                with torch.no_grad():
+                    view.copy_(user)
+                if user.numel():
+                    self.copy_back.append((user, view))
+        for x in pytree.tree_leaves(params):  # the buffers live as long as the params do
+            x._purestep_buffers = p_raw
+
+    def after_run(self) -> None:
+        if self.copy_back:
+            with torch.no_grad():
+                torch._foreach_copy_([u for u, _ in self.copy_back], [v for _, v in self.copy_back])
+
+    def repoint_grads_views(self) -> bool:
+        return True  # FSDP2 accumulates into `grad._local_tensor`: let it write the buffer
+
+    # -- planning -------------------------------------------------------------------
+    def plan_for(self, params: Any) -> Any:
+        key = [id(x) for x in pytree.tree_leaves(params)]
+        if self._planned is not None and self._planned[0] == key:
+            return self._planned[1]  # planned by `plans` just before binding: once
+        info = self.shard_info(params)
+        pack = plan(self.transform, local_tree(params), tags=[(("sharded", s.sharded),) for s in info.slices], shard=info)
+        self._planned = (key, pack)
+        return pack
+
+    def slack(self, params: Any, group: Any) -> int:
+        """Room for the padding FSDP2 keeps past a block (its storage is the padded shard)."""
+        leaves = pytree.tree_leaves(params)
+        return max([leaves[m.index].untyped_storage().nbytes() // leaves[m.index].element_size() - m.numel for m in group.members] + [0])

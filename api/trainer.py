@@ -124,8 +124,9 @@ class Trainer:
         self.transform = ps.apply_if_finite(transform)
         if ema is None and cfg.ema_decay:
             ema = ps.params_ema(cfg.ema_decay, dtype=torch.float32 if cfg.bf16_params else None)
-        # FSDP2 params are DTensors, which foreach copies do not support: update purely, then copy.
-        self.update = ps.make_update(self.transform, compile=cfg.compile, donate=not self.fsdp, ema=ema)
+        # Donated on every strategy: under FSDP2 the update runs on flat buffers of this
+        # rank's shards (ps.make_update's sharded path), in place in FSDP2's own storage.
+        self.update = ps.make_update(self.transform, compile=cfg.compile, donate=True, ema=ema)
         self.opt_state = self.transform.init(params)
         self.clipped = len(_nodes(self.opt_state, ps.ClipByGlobalNormState)) == 1  # its state holds the grad norm
         self.ema = ema[0](params) if ema is not None else None
@@ -235,9 +236,7 @@ class Trainer:
                 record["grad_norm"] = ps.tree_global_norm(grads)  # no clip state to read it from
             params = self.params()
             out = self.update(params, grads, self.opt_state, *(() if self.ema is None else (self.ema,)))
-            if self.fsdp:
-                D.copy_into_(params, out[0])
-            self.opt_state, self.ema = self._settled(out[1]), (out[2] if self.ema is not None else None)
+            self.opt_state, self.ema = out[1], (out[2] if self.ema is not None else None)
         # Zeroed in place, not dropped: the next backward writes where the update reads.
         torch._foreach_zero_([D.local(g) for g in grads.values()])
         self.step += 1
@@ -245,14 +244,6 @@ class Trainer:
         if "event" in record:
             self.skipped += 1
         return record
-
-    def _settled(self, state: Any) -> Any:
-        """Under FSDP2 a reduction over sharded grads (apply_if_finite's flag) is a Partial
-        DTensor, which checkpoints cannot hold: reduce it to the plain tensor the state began with."""
-        if not self.fsdp:
-            return state
-        partial = lambda t: D.is_dtensor(t) and any(p.is_partial() for p in t.placements)  # noqa: E731
-        return pytree.tree_map(lambda t: t.full_tensor() if partial(t) else t, state)
 
     def _spiked(self, loss: float) -> bool:
         k, recent = self.config.spike_factor, self.recent

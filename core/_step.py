@@ -391,7 +391,7 @@ def make_update(
     inner = pure if not donate else in_place if compile else eager_in_place
     inner = _maybe_compile(inner, compile)
     # The engine: which path runs the update, chosen on the first donated call (`explain`).
-    chosen: dict[str, Any] = {"path": None, "why": "not called yet", "engine": None}
+    chosen: dict[str, Any] = {"path": None, "why": "not called yet", "engine": None, "sharded": None}
 
     def choose(params: Params, grads: PyTree) -> None:
         tr.check_match(grads, params, "grads", "params")
@@ -430,7 +430,9 @@ def make_update(
             raise TypeError(f"update takes {want}; got {3 + len(ema_state)} arguments")
         if not donate:
             return inner(params, grads, opt_state, *ema_state)
-        if chosen["engine"] is None:
+        sharded = _sharded.has_dtensors(params)
+        if chosen["engine"] is None or chosen["sharded"] != sharded:  # first call, or other kinds of leaves
+            chosen["sharded"] = sharded
             choose(params, grads)
         with torch.no_grad():  # a donated update is never differentiated: record no graph
             chosen["engine"](params, grads, opt_state, *ema_state)

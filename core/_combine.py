@@ -9,7 +9,6 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import _flat
 from . import _layout as lay
 from . import _lists as ls
 from . import _tree as tr
@@ -139,8 +138,8 @@ def chain(*transforms: Transform) -> Transform:
 
 def _leaf_tags(spec_tree: Any, tree: PyTree, what: str, kind: type) -> list:
     """Flatten a bool/str tree (or `callable(tree)`) that must match `tree` leaf for leaf."""
-    if _flat.is_packed(tree):  # flat buffers: the rule is read on the packed leaves, one value per buffer
-        return _flat.rule_per_group(tree, spec_tree, lambda proxy: _leaf_tags(spec_tree, proxy, what, kind))
+    if lay.is_packed(tree):  # flat buffers: the rule is read on the packed leaves, one value per buffer
+        return lay.rule_per_group(tree, spec_tree, lambda proxy: _leaf_tags(spec_tree, proxy, what, kind))
     if callable(spec_tree):
         spec_tree = spec_tree(tree)
     leaves, spec = pytree.tree_flatten(tree)
@@ -159,7 +158,7 @@ def _leaf_tags(spec_tree: Any, tree: PyTree, what: str, kind: type) -> list:
 
 
 def _subtree(tree: PyTree, keep: list[bool]) -> dict[str, Any]:
-    if _flat.is_packed(tree):
+    if lay.is_packed(tree):
         return tree.select(keep)
     pairs, _ = tr.tree_flatten_with_path(tree)
     return {p: x for (p, x), k in zip(pairs, keep) if k}

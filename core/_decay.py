@@ -9,7 +9,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import _flat
+from . import _layout as lay
 from . import _lists as ls
 from . import _tree as tr
 from ._base import (
@@ -234,8 +234,8 @@ def scale_per_leaf(multipliers: Any) -> Transform:
 
     def update(grads, state, params=None, **extra):
         gs, spec = pytree.tree_flatten(grads)
-        if _flat.is_packed(grads):  # flat buffers: the multipliers are read on the packed leaves
-            factors = _flat.rule_per_group(grads, multipliers, lambda proxy: _multipliers_per_leaf(multipliers, proxy))
+        if lay.is_packed(grads):  # flat buffers: the multipliers are read on the packed leaves
+            factors = lay.rule_per_group(grads, multipliers, lambda proxy: _multipliers_per_leaf(multipliers, proxy))
         else:
             factors = _multipliers_per_leaf(multipliers, grads)
         if ls.use_foreach(gs) and all(is_static(f) for f in factors):

@@ -36,6 +36,24 @@ def _shard(tree: Any) -> Any:
     return shard if shard is not None and shard.active else None
 
 
+def is_packed(tree: Any) -> bool:
+    """Whether `tree` is a tree of flat buffers (one process or shards), each standing for several leaves."""
+    return _flat.is_packed(tree)
+
+
+def rule_per_group(tree: Any, rule: Any, per_leaf: Callable[[Any], list[Any]]) -> list[Any]:
+    """A per-leaf rule (mask, labels, multipliers) read on a packed tree: one value per
+    buffer, `per_leaf(leaves as meta tensors, whole shapes)` giving them leaf by leaf; a
+    buffer whose leaves disagree is split by the planner."""
+    return _flat.rule_per_group(tree, rule, per_leaf)
+
+
+def per_leaf_only(reason: str) -> Exception:
+    """The error a transform raises (while a layout is planned) when it cannot run on
+    flat buffers at all: the engine keeps the per-leaf path and says `reason`."""
+    return _flat.Regroup.unsupported(reason)
+
+
 def is_sharded(tree: Any) -> bool:
     """Whether `tree`'s leaves are this rank's FSDP2 shards of larger leaves."""
     return getattr(getattr(tree, "pack_spec", None), "shard", None) is not None

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import _flat
+from . import _layout as lay
 from . import _tree as tr
 from ._base import Params, Transform, leaf_device, zero_count
 
@@ -283,10 +283,10 @@ def init_moments(params: Params, dtype: torch.dtype | None) -> Params:
     moment: g² underflows below 6e-8), which gets float32. An fp8 dtype stores
     `QuantizedTensor`s, and leaves under `MIN_QUANTIZED_SIZE` elements in float32.
     """
-    if dtype in _FP8 and _flat.is_packed(params):
+    if dtype in _FP8 and lay.is_packed(params):
         # Blocks would straddle the leaves of a flat buffer, and a per-block scale cannot
         # be viewed per leaf: `make_update` then keeps this transform on its per-leaf path.
-        raise _flat.Regroup.unsupported("8-bit block-quantized state is laid out per leaf")
+        raise lay.per_leaf_only("8-bit block-quantized state is laid out per leaf")
 
     def zeros(p: Tensor) -> Any:
         if not p.is_floating_point():

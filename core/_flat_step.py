@@ -82,6 +82,9 @@ class FlatUpdate:
         """The tensors the buffers stand for, leaf for leaf (the user's own here)."""
         return tree
 
+    def local_leaves(self, leaves: list) -> list:
+        return leaves
+
     def plan_for(self, params: Any) -> Any:
         return plan(self.transform, params)
 
@@ -178,8 +181,7 @@ class FlatUpdate:
                     repoint_(g, v, "grads")
 
     def _params_moved(self, params: Any) -> bool:
-        leaves = list(params.values()) if type(params) is dict else pytree.tree_leaves(params)
-        leaves = [self.local(x) for x in leaves]
+        leaves = self.local_leaves(list(params.values()) if type(params) is dict else pytree.tree_leaves(params))
         b = self.bound
         return len(leaves) != len(b["params"]) or any(
             x is not y or x.data_ptr() != ptr for x, y, ptr in zip(leaves, b["params"], b["param_ptrs"])

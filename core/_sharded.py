@@ -245,6 +245,9 @@ class ShardedUpdate(FlatUpdate):
     def local(self, tree: Any) -> Any:
         return local_tree(tree)
 
+    def local_leaves(self, leaves: list) -> list:
+        return [local(x) for x in leaves]
+
     def shard_info(self, params: Any) -> ShardInfo:
         pairs, _ = tr.tree_flatten_with_path(params)
         # One mesh (fully_shard per block makes equal mesh objects: compared by their ranks).

@@ -10,6 +10,7 @@ makes the next call plan and bind anew.
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from typing import Any, Callable
 
@@ -59,6 +60,28 @@ def bind_tree(user_tree: Any, packed_tree: Any, what: str) -> None:
             repoint_(user, view, f"{what} leaf '{path}'")
 
 
+@dataclasses.dataclass
+class _Bound:
+    """A layout bound to the user's tensors: the buffers, what they stand for, the compiled step."""
+
+    groups: list  # the layout's `_Group`s
+    specs: list  # tree specs of packed (params, grads, state, ema)
+    buffers: list  # their leaves: the flat buffers and the state's scalars
+    grad_views: list[Tensor]  # per param leaf, its view into the grad buffers
+    params: list[Tensor]  # the leaves bound (their local blocks over shards)
+    param_spec: Any
+    param_ptrs: list[int]  # their addresses once bound: a change means rebinding
+    state: Any  # the state (and EMA) trees bound, as the user holds them
+    ema: Any
+    keys: list[str] | None  # the param names, for dict trees (a fast path for grads)
+    fn: Callable  # the step over the buffers (compiled)
+    calls: int = 0  # CUDA: calls before capture
+    graph: Any = None  # CUDA: the captured graph and its outputs
+    graph_out: Any = None
+    input_key: Any = None  # make_step on CUDA: the batch's structure and shapes, and its static copies
+    inputs: Any = None
+
+
 class FlatUpdate:
     """A compiled, donated update over packed buffers (see the module docstring).
 
@@ -71,11 +94,12 @@ class FlatUpdate:
     def __init__(self, transform: Any, pure: Callable, averaging: Any, options: dict, compile: bool = True) -> None:
         self.transform, self.pure, self.averaging, self.options = transform, pure, averaging, options
         self.compile = compile
-        self.bound: dict[str, Any] | None = None
+        self.bound: _Bound | None = None
         self.why_not: str | None = None  # why the last `plans` said no
+        self._planned: tuple[list[int], Any] | None = None
 
     def layout(self) -> dict[str, list[str]]:
-        return {g.key: [m.path for m in g.members] for g in self.bound["groups"]}
+        return {g.key: [m.path for m in g.members] for g in self.bound.groups}
 
     # -- what a subclass over other leaves (FSDP2 shards, `_sharded`) changes ----
     def local(self, tree: Any) -> Any:
@@ -86,6 +110,13 @@ class FlatUpdate:
         return leaves
 
     def plan_for(self, params: Any) -> Any:
+        """The layout for these params, planned once (`plans` then binding reuse it)."""
+        key = [id(x) for x in pytree.tree_leaves(params)]
+        if self._planned is None or self._planned[0] != key:
+            self._planned = (key, self.plan_layout(params))
+        return self._planned[1]
+
+    def plan_layout(self, params: Any) -> Any:
         return plan(self.transform, params)
 
     def bind_params(self, params: Any, packed_params: Packed, groups: list, p_raw: list[Tensor]) -> None:
@@ -137,21 +168,19 @@ class FlatUpdate:
         flat = [pytree.tree_flatten(t) for t in trees]
         g_views = [v for g, b in zip(groups, g_buf) for v in g.views(b)] if self.grads_in else []
         order = [m.index for g in groups for m in g.members]
-        self.bound = {
-            "groups": groups,
-            "specs": [s for _, s in flat],
-            "buffers": [leaves for leaves, _ in flat],
-            "grad_views": [g_views[order.index(i)] for i in range(len(order))] if g_views else [],
-            "params": [x for _, x in pairs],
-            "param_spec": spec,
-            "param_ptrs": [x.data_ptr() for _, x in pairs],
-            "state": user_state,
-            "ema": user_ema,
-            "keys": list(params) if type(params) is dict else None,
-            "fn": self._compile([s for _, s in flat], groups[0].device if groups else torch.device("cpu")),
-            "calls": 0,
-            "graph": None,
-        }
+        self.bound = _Bound(
+            groups=groups,
+            specs=[s for _, s in flat],
+            buffers=[leaves for leaves, _ in flat],
+            grad_views=[g_views[order.index(i)] for i in range(len(order))] if g_views else [],
+            params=[x for _, x in pairs],
+            param_spec=spec,
+            param_ptrs=[x.data_ptr() for _, x in pairs],
+            state=user_state,
+            ema=user_ema,
+            keys=list(params) if type(params) is dict else None,
+            fn=self._compile([s for _, s in flat], groups[0].device if groups else torch.device("cpu")),
+        )
 
     def _compile(self, specs: list[pytree.TreeSpec], device: torch.device) -> Callable:
         pure, averaging = self.pure, self.averaging
@@ -165,11 +194,11 @@ class FlatUpdate:
         return _compile_own(step, self.options.get(device.type, {})) if self.compile else step
 
     def _grads_in(self, grads: Any) -> None:
-        views, keys = self.bound["grad_views"], self.bound["keys"]
+        views, keys = self.bound.grad_views, self.bound.keys
         if keys is not None and type(grads) is dict and list(grads) == keys:
             leaves = list(grads.values())
         else:
-            leaves = tr.check_match(grads, pytree.tree_unflatten(self.bound["params"], self.bound["param_spec"]))
+            leaves = tr.check_match(grads, pytree.tree_unflatten(self.bound.params, self.bound.param_spec))
         stale = [(v, g) for v, g in zip(views, leaves) if g.data_ptr() != v.data_ptr() or g.shape != v.shape]
         with torch.no_grad():
             for v, g in stale:
@@ -183,8 +212,8 @@ class FlatUpdate:
     def _params_moved(self, params: Any) -> bool:
         leaves = self.local_leaves(list(params.values()) if type(params) is dict else pytree.tree_leaves(params))
         b = self.bound
-        return len(leaves) != len(b["params"]) or any(
-            x is not y or x.data_ptr() != ptr for x, y, ptr in zip(leaves, b["params"], b["param_ptrs"])
+        return len(leaves) != len(b.params) or any(
+            x is not y or x.data_ptr() != ptr for x, y, ptr in zip(leaves, b.params, b.param_ptrs)
         )
 
     # -- the step --------------------------------------------------------------
@@ -195,17 +224,17 @@ class FlatUpdate:
             b = self.bound
         self._take_in_state(opt_state, ema_state)
         self._grads_in(self.local(grads))
-        _run(b, b["buffers"])
+        _run(b, b.buffers)
         self.after_run()
 
     def _take_in_state(self, opt_state: Any, ema_state: Any) -> None:
         b = self.bound
-        if opt_state is not b["state"]:
-            bind_tree(self.local(opt_state), pytree.tree_unflatten(b["buffers"][2], b["specs"][2]), "opt_state")
-            b["state"] = opt_state
-        if self.averaging is not None and ema_state is not b["ema"]:
-            bind_tree(self.local(ema_state), pytree.tree_unflatten(b["buffers"][3], b["specs"][3]), "ema_state")
-            b["ema"] = ema_state
+        if opt_state is not b.state:
+            bind_tree(self.local(opt_state), pytree.tree_unflatten(b.buffers[2], b.specs[2]), "opt_state")
+            b.state = opt_state
+        if self.averaging is not None and ema_state is not b.ema:
+            bind_tree(self.local(ema_state), pytree.tree_unflatten(b.buffers[3], b.specs[3]), "ema_state")
+            b.ema = ema_state
 
 
 def _write_back(dst: Any, src: Any) -> None:
@@ -223,22 +252,22 @@ def _compile_own(fn: Callable, options: dict) -> Callable:
     return torch.compile(own, fullgraph=True, options=options)
 
 
-def _run(b: dict, args: list) -> Any:
+def _run(b: _Bound, args: list) -> Any:
     """Call the compiled step; on CUDA, from the second call on, as one CUDA-graph replay
     (every input lives at a fixed address: the buffers, and make_step's batch copies)."""
-    if not (b["buffers"][0] and b["buffers"][0][0].is_cuda):
-        return b["fn"](*args)
-    if b["graph"] is not None:
-        b["graph"].replay()
-        return b["graph_out"]
-    b["calls"] += 1
-    if b["calls"] < 2:  # compile and warm up outside a graph
-        return b["fn"](*args)
+    if not (b.buffers[0] and b.buffers[0][0].is_cuda):
+        return b.fn(*args)
+    if b.graph is not None:
+        b.graph.replay()
+        return b.graph_out
+    b.calls += 1
+    if b.calls < 2:  # compile and warm up outside a graph
+        return b.fn(*args)
     graph = torch.cuda.CUDAGraph()
     torch.cuda.synchronize()
     with torch.cuda.graph(graph):
-        out = b["fn"](*args)
-    b["graph"], b["graph_out"] = graph, out
+        out = b.fn(*args)
+    b.graph, b.graph_out = graph, out
     graph.replay()
     return out
 
@@ -269,19 +298,19 @@ class FlatStep(FlatUpdate):
             self._bind(params, opt_state, None)
             b = self.bound
         self._take_in_state(opt_state, None)
-        p, s = b["buffers"][0], b["buffers"][2]
+        p, s = b.buffers[0], b.buffers[2]
         if not (p and p[0].is_cuda):
-            return b["fn"](p, s, batch, buffers, with_buffers)
+            return b.fn(p, s, batch, buffers, with_buffers)
         # A CUDA graph reads its inputs at fixed addresses: the batch (and buffers) are
         # copied into tensors the graph owns; a new structure or shape captures anew.
         key = (pytree.tree_structure((batch, buffers)), [getattr(x, "shape", x) for x in pytree.tree_leaves((batch, buffers))])
-        if b.get("input_key") != key:
-            b["input_key"], b["graph"], b["calls"] = key, None, 0
-            b["inputs"] = pytree.tree_map(lambda x: x.clone() if isinstance(x, Tensor) else x, (batch, buffers))
+        if b.input_key != key:
+            b.input_key, b.graph, b.calls = key, None, 0
+            b.inputs = pytree.tree_map(lambda x: x.clone() if isinstance(x, Tensor) else x, (batch, buffers))
         else:
-            pairs = [(d, x) for d, x in zip(pytree.tree_leaves(b["inputs"]), pytree.tree_leaves((batch, buffers))) if isinstance(d, Tensor)]
+            pairs = [(d, x) for d, x in zip(pytree.tree_leaves(b.inputs), pytree.tree_leaves((batch, buffers))) if isinstance(d, Tensor)]
             torch._foreach_copy_([d for d, _ in pairs], [x for _, x in pairs])
-        static_batch, static_buffers = b["inputs"]
+        static_batch, static_buffers = b.inputs
         metrics = _run(b, [p, s, static_batch, static_buffers, with_buffers])
         if with_buffers:  # donated buffers: the caller's tensors get the new values
             torch._foreach_copy_(pytree.tree_leaves(buffers), pytree.tree_leaves(static_buffers))

@@ -240,7 +240,6 @@ class ShardedUpdate(FlatUpdate):
     def __init__(self, transform: Any, pure: Callable, averaging: Any, options: dict, compile: bool) -> None:
         super().__init__(transform, pure, averaging, options, compile)
         self.copy_back: list[tuple[Tensor, Tensor]] = []
-        self._planned: tuple[list[int], PackSpec] | None = None
 
     def local(self, tree: Any) -> Any:
         return local_tree(tree)
@@ -288,14 +287,9 @@ class ShardedUpdate(FlatUpdate):
         return True  # FSDP2 accumulates into `grad._local_tensor`: let it write the buffer
 
     # -- planning -------------------------------------------------------------------
-    def plan_for(self, params: Any) -> Any:
-        key = [id(x) for x in pytree.tree_leaves(params)]
-        if self._planned is not None and self._planned[0] == key:
-            return self._planned[1]  # planned by `plans` just before binding: once
+    def plan_layout(self, params: Any) -> Any:
         info = self.shard_info(params)
-        pack = plan(self.transform, local_tree(params), tags=[(("sharded", s.sharded),) for s in info.slices], shard=info)
-        self._planned = (key, pack)
-        return pack
+        return plan(self.transform, local_tree(params), tags=[(("sharded", s.sharded),) for s in info.slices], shard=info)
 
     def slack(self, params: Any, group: Any) -> int:
         """Room for the padding FSDP2 keeps past a block (its storage is the padded shard)."""

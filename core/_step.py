@@ -8,6 +8,7 @@ compiled donated step moves the bytes `torch.optim.AdamW(fused=True)` moves.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -295,6 +296,85 @@ def _plain_leaves(tree: PyTree) -> bool:
 
 
 # --------------------------------------------------------------------------- #
+# The engine: which path runs a donated update or step.
+# --------------------------------------------------------------------------- #
+
+
+@dataclasses.dataclass
+class _Path:
+    name: str  # "flat", "sharded", "per-leaf compiled", "eager in place", "per-leaf DTensor"
+    why: str
+    run: Callable
+
+
+def _explain_pure() -> str:
+    """Which path runs the update or step, and why."""
+    return "pure: donate=False returns new trees (differentiable, vmappable)"
+
+
+class _Engine:
+    """The execution paths of a donated update (or step) and the choice among them, made
+    on the first call and again when the kind of leaves changes (see core/README.md):
+
+    - "sharded": DTensor (FSDP2) params, flat buffers over this rank's shards (`_sharded`);
+    - "flat": `compile=True`, plain dense leaves, flat buffers per group (`_flat_step`);
+    - "per-leaf compiled" / "eager in place": the update leaf by leaf, compiled or eager
+      (where a transform or the leaves cannot run on flat buffers: `explain()` says why);
+    - "per-leaf DTensor": DTensor params the sharded path cannot take, eager, whole DTensors.
+    """
+
+    def __init__(self, *, flat: FlatUpdate | None, sharded: Callable[[], FlatUpdate] | None, per_leaf: Callable,
+                 per_leaf_dtensor: Callable, compile: bool, flat_asked: bool) -> None:
+        self.flat, self.sharded, self.per_leaf, self.per_leaf_dtensor = flat, sharded, per_leaf, per_leaf_dtensor
+        self.compile, self.flat_asked = compile, flat_asked
+        self.path: _Path | None = None
+        self.on_dtensors: bool | None = None
+
+    def path_for(self, params: Params, grads: PyTree | None = None) -> Callable:
+        on_dtensors = _sharded.has_dtensors(params)
+        if self.path is None or on_dtensors != self.on_dtensors:
+            self.path, self.on_dtensors = self._choose(params, grads, on_dtensors), on_dtensors
+        return self.path.run
+
+    def _choose(self, params: Params, grads: PyTree | None, on_dtensors: bool) -> _Path:
+        if grads is not None:
+            tr.check_match(grads, params, "grads", "params")
+        tied = _tied_leaves(params)
+        if tied:
+            raise ValueError(
+                f"donate=True: params '{tied[0]}' and '{tied[1]}' are the same tensor; an in-place update would "
+                "apply both leaves' updates to it. Pass a shared (tied) param once, as model.named_parameters() does"
+            )
+        if on_dtensors:
+            engine = self.sharded() if self.sharded is not None else None
+            if engine is not None and engine.plans(params):
+                return _Path("sharded", "DTensor params: flat buffers over this rank's shards", engine)
+            why = "flat=False" if self.flat_asked is False else "no sharded path here" if engine is None else engine.why_not
+            return _Path("per-leaf DTensor", f"{why}; eager, on whole DTensors", self.per_leaf_dtensor)
+        if self.flat is not None:
+            if not _plain_leaves(params):
+                why = "leaves that are not plain dense tensors"
+            elif self.flat.plans(params):
+                return _Path("flat", "compile=True, donate=True: flat buffers per group", self.flat)
+            else:
+                why = self.flat.why_not
+            return _Path("per-leaf compiled", f"not on flat buffers: {why}", self.per_leaf)
+        if self.compile:
+            return _Path("per-leaf compiled", "flat=False", self.per_leaf)
+        return _Path("eager in place", "donate=True without compile", self.per_leaf)
+
+    def explain(self) -> str:
+        """Which path runs the update or step, and why: "flat", "sharded", "per-leaf compiled",
+        "eager in place" or "per-leaf DTensor" ("pure" without `donate`)."""
+        return f"{self.path.name}: {self.path.why}" if self.path else "not chosen yet: the first call chooses"
+
+    def layout(self) -> dict[str, list[str]] | None:
+        """The flat buffers in use: `{buffer: [leaf paths]}`, or None on a per-leaf path."""
+        run = self.path.run if self.path else None
+        return run.layout() if isinstance(run, FlatUpdate) and run.bound is not None else None
+
+
+# --------------------------------------------------------------------------- #
 # make_update.
 # --------------------------------------------------------------------------- #
 
@@ -390,39 +470,14 @@ def make_update(
 
     inner = pure if not donate else in_place if compile else eager_in_place
     inner = _maybe_compile(inner, compile)
-    # The engine: which path runs the update, chosen on the first donated call (`explain`).
-    chosen: dict[str, Any] = {"path": None, "why": "not called yet", "engine": None, "sharded": None}
-
-    def choose(params: Params, grads: PyTree) -> None:
-        tr.check_match(grads, params, "grads", "params")
-        tied = _tied_leaves(params)
-        if tied:
-            raise ValueError(
-                f"donate=True: params '{tied[0]}' and '{tied[1]}' are the same tensor; an in-place update would "
-                "apply both leaves' updates to it. Pass a shared (tied) param once, as model.named_parameters() does"
-            )
-        if _sharded.has_dtensors(params):
-            engine = _sharded.ShardedUpdate(optimizer, pure, averaging, _FLAT_OPTIONS, compile) if flat else None
-            if engine is not None and engine.plans(params):
-                chosen.update(path="sharded", engine=engine, why="DTensor params: flat buffers over this rank's shards")
-            else:
-                why = "flat=False" if engine is None else f"not on shards: {engine.why_not}"
-                # Eager: dynamo does not trace copies into DTensors.
-                chosen.update(path="per-leaf DTensor", engine=in_place, why=f"{why}; eager, whole DTensors")
-            return
-        if compile and flat:
-            engine = FlatUpdate(optimizer, pure, averaging, _FLAT_OPTIONS)
-            if not _plain_leaves(params):
-                why = "leaves that are not plain dense tensors"
-            elif engine.plans(params):
-                chosen.update(path="flat", engine=engine, why="compile=True, donate=True: flat buffers per group")
-                return
-            else:
-                why = engine.why_not
-            chosen.update(path="per-leaf compiled", engine=inner, why=f"not on flat buffers: {why}")
-            return
-        chosen.update(path="per-leaf compiled" if compile else "eager in place", engine=inner,
-                      why="flat=False" if compile else "donate=True without compile")
+    engine = _Engine(
+        flat=FlatUpdate(optimizer, pure, averaging, _FLAT_OPTIONS) if compile and flat else None,
+        sharded=(lambda: _sharded.ShardedUpdate(optimizer, pure, averaging, _FLAT_OPTIONS, compile)) if flat else None,
+        per_leaf=inner,
+        per_leaf_dtensor=in_place,  # eager: dynamo does not trace copies into DTensors
+        compile=compile,
+        flat_asked=flat,
+    )
 
     def update(params: Params, grads: PyTree, opt_state: OptState, *ema_state: Any) -> tuple:
         if len(ema_state) != (averaging is not None):
@@ -430,28 +485,13 @@ def make_update(
             raise TypeError(f"update takes {want}; got {3 + len(ema_state)} arguments")
         if not donate:
             return inner(params, grads, opt_state, *ema_state)
-        sharded = _sharded.has_dtensors(params)
-        if chosen["engine"] is None or chosen["sharded"] != sharded:  # first call, or other kinds of leaves
-            chosen["sharded"] = sharded
-            choose(params, grads)
+        run = engine.path_for(params, grads)
         with torch.no_grad():  # a donated update is never differentiated: record no graph
-            chosen["engine"](params, grads, opt_state, *ema_state)
+            run(params, grads, opt_state, *ema_state)
         return (params, opt_state, *ema_state)
 
-    def layout() -> dict[str, list[str]] | None:
-        """The flat buffers in use: `{buffer: [leaf paths]}`, or None on a per-leaf path."""
-        engine = chosen["engine"]
-        return engine.layout() if isinstance(engine, FlatUpdate) and engine.bound is not None else None
-
-    def explain() -> str:
-        """Which path runs the update, and why: "flat", "sharded", "per-leaf compiled",
-        "eager in place", "per-leaf DTensor" or "pure" (`donate=False`)."""
-        if not donate:
-            return "pure: donate=False returns new trees (differentiable, vmappable)"
-        return f"{chosen['path']}: {chosen['why']}" if chosen["path"] else "not chosen yet: the first call chooses"
-
-    update.explain = explain
-    update.layout = layout
+    update.explain = engine.explain if donate else _explain_pure
+    update.layout = engine.layout
     return update
 
 
@@ -613,15 +653,19 @@ def make_step(
 
     inner = pure if not donate else in_place if compile else eager_in_place
     inner = _maybe_compile(inner, compile)
-    packed = FlatStep(optimizer, pure, None, _FLAT_OPTIONS) if compile and donate and flat else None
+    engine = _Engine(
+        flat=FlatStep(optimizer, pure, None, _FLAT_OPTIONS) if compile and flat else None,
+        sharded=None,  # FSDP2 computes grads in its own forward/backward: use make_update there
+        per_leaf=inner,
+        per_leaf_dtensor=inner,
+        compile=compile,
+        flat_asked=flat,
+    )
 
     def step(params: Params, opt_state: OptState, batch: PyTree, buffers: PyTree = None) -> tuple:
-        nonlocal packed
         with_buffers = buffers is not None
-        if packed is not None and packed.bound is None and not (_plain_leaves(params) and packed.plans(params)):
-            packed = None  # this transform or these leaves stay on the per-leaf path
         if donate:
-            metrics = (packed or inner)(params, opt_state, batch, buffers, with_buffers)
+            metrics = engine.path_for(params)(params, opt_state, batch, buffers, with_buffers)
             new_params, new_state, new_buffers = params, opt_state, buffers
         else:
             new_params, new_state, metrics, new_buffers = inner(params, opt_state, batch, buffers, with_buffers)
@@ -629,9 +673,6 @@ def make_step(
             return new_params, new_state, metrics, new_buffers
         return new_params, new_state, metrics
 
-    def layout() -> dict[str, list[str]] | None:
-        """The flat buffers in use: `{buffer: [leaf paths]}`, or None on the per-leaf path."""
-        return None if packed is None or packed.bound is None else packed.layout()
-
-    step.layout = layout
+    step.explain = engine.explain if donate else _explain_pure
+    step.layout = engine.layout
     return step

@@ -483,7 +483,7 @@ def apply_if_finite(inner: Transform, max_consecutive: int | None = None) -> Tra
         finite = lay.all_finite(grads, pytree.tree_leaves(grads) + floats).to(state.last_finite.device)
         notfinite = torch.where(finite, torch.zeros_like(state.notfinite_count), state.notfinite_count + 1)
         apply = finite if max_consecutive is None else finite | (notfinite > max_consecutive)
-        updates = pytree.tree_map(lambda u: torch.where(apply, u, torch.zeros_like(u)), updates)
+        updates = pytree.tree_map(lambda u: torch.where(apply, u, 0.0), updates)
         inner_state = _select_tree(apply, inner_state, state.inner_state)
         total = state.total_notfinite + (~finite).to(torch.int64)
         return updates, ApplyIfFiniteState(notfinite, finite, total, inner_state)

@@ -103,10 +103,7 @@ def all_finite(tree: Any, xs: Sequence[Tensor]) -> Tensor:
     shard = _shard(tree)
     if shard is None:
         return ls.all_finite(list(xs))
-    bad = torch.zeros((), dtype=torch.int64, device=xs[0].device if xs else None)
-    for x in xs:
-        bad = bad + (~torch.isfinite(x)).sum()
-    return shard.all_reduce(bad) == 0
+    return shard.all_reduce(ls.nonfinite_count(list(xs))) == 0
 
 
 def leaf_norms(tree: Any, *lists: Sequence[Tensor]) -> list[Tensor] | list[list[Tensor]]:

@@ -237,8 +237,9 @@ def _move_storage(user: Tensor, view: Tensor, room: int) -> bool:
 class ShardedUpdate(FlatUpdate):
     """`FlatUpdate` over this rank's FSDP2 shards (see the module docstring)."""
 
-    def __init__(self, transform: Any, pure: Callable, averaging: Any, options: dict, compile: bool) -> None:
-        super().__init__(transform, pure, averaging, options, compile)
+    def __init__(self, transform: Any, pure: Callable, averaging: Any, options: dict, compile: bool,
+                 eager: Callable | None = None) -> None:
+        super().__init__(transform, pure, averaging, options, compile, eager)
         self.copy_back: list[tuple[Tensor, Tensor]] = []
 
     def local(self, tree: Any) -> Any:

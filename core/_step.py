@@ -468,11 +468,20 @@ def make_update(
         if averaging is not None:
             _adopt_into(ema_state, averaging[1](ema_state, params), "ema_state", taken)
 
+    def in_place_on_buffers(params, grads, opt_state, ema_state=None):
+        # The sharded path without compile: the in-place forms run on the flat buffers;
+        # new state leaves are copied back (bound buffers are never re-pointed).
+        new_state = apply_in_place(optimizer, grads, opt_state, params)
+        _copy_into(opt_state, new_state, "opt_state")
+        if averaging is not None:
+            _copy_into(ema_state, averaging[1](ema_state, params), "ema_state")
+
     inner = pure if not donate else in_place if compile else eager_in_place
     inner = _maybe_compile(inner, compile)
+    sharded = lambda: _sharded.ShardedUpdate(optimizer, pure, averaging, _FLAT_OPTIONS, compile, in_place_on_buffers)  # noqa: E731
     engine = _Engine(
         flat=FlatUpdate(optimizer, pure, averaging, _FLAT_OPTIONS) if compile and flat else None,
-        sharded=(lambda: _sharded.ShardedUpdate(optimizer, pure, averaging, _FLAT_OPTIONS, compile)) if flat else None,
+        sharded=sharded if flat else None,
         per_leaf=inner,
         per_leaf_dtensor=in_place,  # eager: dynamo does not trace copies into DTensors
         compile=compile,

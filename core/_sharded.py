@@ -112,10 +112,8 @@ class ShardInfo:
     the collectives `_layout` runs over it. Off (`active=False`) while a layout is planned:
     the dry runs on stand-ins then reduce locally and communicate nothing."""
 
-    def __init__(self, group: Any, slices: list[_Slice]) -> None:
-        self.group = group
-        self.world = torch.distributed.get_world_size(group)
-        self.rank = torch.distributed.get_rank(group)
+    def __init__(self, group: Any, world: int, rank: int, slices: list[_Slice]) -> None:
+        self.group, self.world, self.rank = group, world, rank
         self.slices = slices  # by leaf index (flatten order of the params)
         self.active = False
         self._owners: dict[tuple[int, ...], dict[int, int]] = {}
@@ -257,7 +255,7 @@ class ShardedUpdate(FlatUpdate):
         mesh = next(iter(meshes.values()))
         group = mesh.get_group()
         world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
-        return ShardInfo(group, [_slice_of(p, x, world, rank) for p, x in pairs])
+        return ShardInfo(group, world, rank, [_slice_of(p, x, world, rank) for p, x in pairs])
 
     def bind_params(self, params: Any, packed_params: Packed, groups: list, p_raw: list[Tensor]) -> None:
         """The user's param blocks into the buffers, keeping their storage objects."""

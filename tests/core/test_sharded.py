@@ -1,0 +1,84 @@
+"""The sharded path's pieces in one process: owners, row blocks, FSDP2's storage rule.
+
+The 2-rank equality with one process (AdamW + clip, Muon, LAMB, AGC, apply_if_finite, resume
+across world sizes) runs under torchrun in tests/api/test_fsdp_step.py.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import purestep.core as ps
+from purestep.core import _sharded
+
+
+def _slice(shape: tuple[int, ...], world: int) -> _sharded._Slice:
+    rows = shape[0]
+    chunk = -(-rows // world)
+    starts = tuple(min(r * chunk, rows) for r in range(world))
+    return _sharded._Slice(torch.Size(shape), starts, tuple(min(chunk, rows - s) for s in starts), True)
+
+
+def test_owners_balance_newton_schulz_cost_and_agree_on_every_rank():
+    shapes = [(512, 512)] * 3 + [(64, 512)] * 6 + [(512, 2048), (8, 8)]
+    infos = [_sharded.ShardInfo(None, 4, r, [_slice(s, 4) for s in shapes]) for r in range(4)]
+    owners = [info.owners(tuple(range(len(shapes)))) for info in infos]
+    assert all(o == owners[0] for o in owners)  # recomputed from the shapes alone, the same everywhere
+    cost = lambda s: s[0] * s[1] * min(s)  # noqa: E731
+    load = [sum(cost(shapes[i]) for i, r in owners[0].items() if r == rank) for rank in range(4)]
+    total = sum(cost(s) for s in shapes)
+    # Greedy largest-first: no rank above the biggest matrix plus its fair share.
+    assert max(load) <= total / 4 + max(cost(s) for s in shapes)
+    assert sorted(set(owners[0].values())) == [0, 1, 2, 3]  # every rank gets work
+
+
+def test_row_blocks_follow_torch_chunk_with_empty_ranks():
+    s = _slice((5, 3), 4)  # chunk 2: rows 2, 2, 1, 0
+    assert s.starts == (0, 2, 4, 5) and s.counts == (2, 2, 1, 0)
+    assert [c.shape[0] for c in torch.arange(15).view(5, 3).chunk(4)] + [0] == list(s.counts)
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo process group of one rank, in this process."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_fsdp2_all_gathers_the_updated_params_from_the_flat_buffer(one_rank_group):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    model.load_state_dict(ref.state_dict())
+    fully_shard(model[0])
+    fully_shard(model)
+    opt = ps.apply_if_finite(ps.chain(ps.clip_by_global_norm(0.1), ps.adamw(0.05, weight_decay=0.1)))
+    params = dict(model.named_parameters())
+    ref_params = {k: p.detach().clone() for k, p in ref.named_parameters()}
+    state, ref_state = opt.init(params), opt.init(ref_params)
+    update = ps.make_update(opt, donate=True)
+    x = torch.randn(7, 6)
+    for _ in range(3):
+        model(x).square().sum().backward()
+        update(params, {k: p.grad for k, p in params.items()}, state)
+        model.zero_grad()
+        grads = torch.func.grad(lambda p: torch.func.functional_call(ref, p, (x,)).square().sum())(ref_params)
+        ref_params, ref_state = ps.make_update(opt)(ref_params, grads, ref_state)
+    assert update.explain().startswith("sharded")
+    assert all(p is params[k] for k, p in model.named_parameters())  # the same DTensors
+    # FSDP2's own sharded storage now is the flat buffer: the next forward sees the update.
+    fsdp_param = model[0]._get_fsdp_state()._fsdp_param_group.fsdp_params[0]
+    assert fsdp_param._sharded_param_data.data_ptr() == params[fsdp_param._param_fqn]._local_tensor.data_ptr()
+    torch.testing.assert_close(model(x), torch.func.functional_call(ref, ref_params, (x,)), rtol=1e-5, atol=1e-6)
+    for k, p in params.items():
+        torch.testing.assert_close(p.full_tensor(), ref_params[k], rtol=1e-5, atol=1e-6)

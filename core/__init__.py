@@ -13,6 +13,7 @@ from ._averaging import params_swa as params_swa
 from ._base import EmptyState as EmptyState
 from ._base import Schedule as Schedule
 from ._base import Transform as Transform
+from ._base import once as once
 from ._base import with_in_place as with_in_place
 from ._clipping import ClipByGlobalNormState as ClipByGlobalNormState
 from ._clipping import ClipByRunningNormState as ClipByRunningNormState
@@ -112,6 +113,7 @@ __all__ = [
     # base
     "Transform",
     "with_in_place",
+    "once",
     "EmptyState",
     "Schedule",
     # trees

@@ -124,6 +124,36 @@ def as_float64(value: float | Tensor, device: torch.device) -> Tensor:
     return torch.tensor(value, dtype=torch.float64, device=device)
 
 
+@torch.library.custom_op("purestep::once", mutates_args=())
+def _once(x: Tensor) -> Tensor:
+    return x.clone()
+
+
+@_once.register_fake
+def _(x: Tensor) -> Tensor:
+    return torch.empty_like(x)
+
+
+def once(x: Tensor) -> Tensor:
+    """`x`, a 0-d value of per-step scalar math, computed once per step in compiled code.
+
+    Inductor inlines small expressions into the elementwise kernels that read them, so a
+    bias correction `1 - β**t` or a schedule's cosine would run once per vector of every
+    such kernel (a libm call there is not hoisted out of the loop). Wrap such values when
+    writing a transform; `resolve` does it for schedules. The identity outside compiled
+    code and for tensors that are not 0-d.
+
+    Example:
+        >>> import torch, purestep.core as ps
+        >>> t = torch.tensor(3, dtype=torch.int64)
+        >>> ps.once(1.0 - 0.9 ** t.double())
+        tensor(0.2710, dtype=torch.float64)
+    """
+    if torch.compiler.is_compiling() and x.dim() == 0:
+        return _once(x)
+    return x
+
+
 def resolve(value: ScalarOrSchedule, count: Tensor) -> float | Tensor:
     """The value of a float-or-schedule hyperparameter after `count` updates.
 
@@ -132,7 +162,7 @@ def resolve(value: ScalarOrSchedule, count: Tensor) -> float | Tensor:
     """
     if callable(value):
         step = count.to(torch.float64)
-        return as_float64(value(step), count.device)
+        return once(as_float64(value(step), count.device))
     return value
 
 

@@ -11,7 +11,7 @@ from torch import Tensor
 from . import _layout as lay
 from . import _lists as ls
 from . import _tree as tr
-from ._base import EmptyState, Params, Transform, check_hyperparam, check_positive, is_static, leaf_device, zero_count
+from ._base import EmptyState, Params, Transform, check_hyperparam, check_positive, is_static, leaf_device, once, zero_count
 
 _NORM_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: coef = max_norm / (norm + 1e-6)
 
@@ -64,7 +64,7 @@ def clip_by_global_norm(max_norm: float | Tensor) -> Transform:
         gs, spec = pytree.tree_flatten(grads)
         norm = lay.global_norm(grads)
         # coef = min(1, max_norm / (‖g‖ + eps)), a 0-d tensor: no host sync
-        coef = torch.clamp(max_norm / (norm + _NORM_EPS), max=1.0)
+        coef = once(torch.clamp(max_norm / (norm + _NORM_EPS), max=1.0))
         out = ls.cast_like(ls.mul(gs, coef), gs)
         return pytree.tree_unflatten(out, spec), ClipByGlobalNormState(norm.to(state.norm.dtype))
 

@@ -17,6 +17,7 @@ from . import _lists as ls
 from . import _tree as tr
 from ._base import (
     EmptyState,
+    once,
     Params,
     ScalarOrSchedule,
     Transform,
@@ -215,8 +216,8 @@ def scale_by_adam(
         beta1, beta2 = resolve(b1, state.count), resolve(b2, state.count)
         # Bias corrections: 0-d float64, computed once per step, not per element.
         t = (state.count + 1).to(torch.float64)
-        bc1 = 1.0 - beta1**t
-        bc2 = 1.0 - beta2**t
+        bc1 = once(1.0 - beta1**t)
+        bc2 = once(1.0 - beta2**t)
         plain = None if amsgrad or eps_root else _plain_moments(grads, state.mu, state.nu, params)
         if plain is not None and ls.leafwise([x for xs in plain for x in xs], beta1, beta2, eps):
             gs, mu, nu, _ = plain

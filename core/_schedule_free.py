@@ -16,6 +16,7 @@ from torch import Tensor
 from . import _lists as ls
 from . import _tree as tr
 from ._base import (
+    once,
     OptState,
     Params,
     ScalarOrSchedule,
@@ -112,7 +113,7 @@ def schedule_free(
         weight = t**r * max_lr**weight_lr_power
         weight_sum = state.weight_sum + weight
         # c = w / Σw, 0 while every weight is 0 (lr = 0)
-        c = torch.where(weight_sum > 0, weight / torch.where(weight_sum > 0, weight_sum, 1.0), 0.0)
+        c = once(torch.where(weight_sum > 0, weight / torch.where(weight_sum > 0, weight_sum, 1.0), 0.0))
         steps, base_state = base.update(grads, state.base_state, params, **extra)
         steps = tr.check_match(steps, state.z, "base updates", "z", dtype=False)
         # y ← (1-c)·y + c·z + (1 - β₁(1-c))·Δz,  z ← z + Δz   (Δz = -lr·ĝ, the base step)

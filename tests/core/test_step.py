@@ -236,15 +236,16 @@ def test_eager_donated_step_adopts_new_state_storage_and_equals_the_pure_step_bi
     mu_storage = mu.data_ptr()
     before = pytree.tree_leaves((params, state))
     g = torch.Generator().manual_seed(1)
-    for _ in range(3):
+    for i in range(3):
         batch = (torch.randn(8, 200, generator=g), torch.randn(8, 100, generator=g))
         out = donated(params, state, batch)
         p_ref, s_ref, m_ref = pure(p_ref, s_ref, batch)
         assert out[0] is params and out[1] is state
         for k in ("loss", "grad_norm", "update_norm", "lr"):
             assert torch.equal(out[2][k], m_ref[k]), k
+        if i == 0:  # adopted, not copied (checked after one step: later ones may reuse freed memory)
+            assert ps.tree_get(state, "mu")["weight"] is mu and mu.data_ptr() != mu_storage
     assert all(x is y for x, y in zip(pytree.tree_leaves((params, state)), before))
-    assert ps.tree_get(state, "mu")["weight"] is mu and mu.data_ptr() != mu_storage  # adopted, not copied
     for (path, x), y in zip(ps.tree_flatten_with_path((params, state))[0], pytree.tree_leaves((p_ref, s_ref))):
         assert torch.equal(x, y), path
     assert torch.equal(model.weight.detach(), params["weight"])

@@ -246,8 +246,11 @@ def _write_back(dst: Any, src: Any) -> None:
     """Inside a compiled step: the new leaves of `src` into the buffers of `dst` (inductor
     turns these copies into stores of the fused kernel)."""
     pairs = [(d, n) for d, n in zip(pytree.tree_leaves(dst), pytree.tree_leaves(src)) if isinstance(d, Tensor) and d is not n]
-    if pairs:
-        torch._foreach_copy_([d for d, _ in pairs], [n for _, n in pairs])
+    # 0-d leaves (step counts, norms) by themselves: in one foreach copy with the buffers,
+    # inductor (2.13) scheduled a count's store ahead of a later kernel that read the old count.
+    for group in ([x for x in pairs if x[0].dim()], [x for x in pairs if not x[0].dim()]):
+        if group:
+            torch._foreach_copy_([d for d, _ in group], [n for _, n in group])
 
 
 def _compile_own(fn: Callable, options: dict) -> Callable:

@@ -129,7 +129,8 @@ def orthogonalize_leaves(
     flipped: list[bool] = []
     groups: dict[tuple, list[int]] = {}
     for i, (x, is_stack) in enumerate(zip(xs, stacked)):
-        m = x.reshape(x.shape[0], x.shape[1], -1) if is_stack else x.reshape(1, x.shape[0], -1)
+        # Explicit sizes, not -1: an empty block of rows (a rank's share of a short matrix) reshapes too.
+        m = x.reshape(x.shape[0], x.shape[1], math.prod(x.shape[2:])) if is_stack else x.reshape(1, x.shape[0], math.prod(x.shape[1:]))
         flipped.append(m.shape[1] > m.shape[2])
         mats.append(m.mT if flipped[-1] else m)
         groups.setdefault((tuple(mats[-1].shape[1:]), m.device), []).append(i)

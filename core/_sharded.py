@@ -286,6 +286,18 @@ class ShardedUpdate(FlatUpdate):
         return True  # FSDP2 accumulates into `grad._local_tensor`: let it write the buffer
 
     # -- planning -------------------------------------------------------------------
+    def plans(self, params: Any) -> bool:
+        """Whether every rank can run the sharded path: the ranks must agree (one collective,
+        once), since their collectives must match; a rank's reason is kept."""
+        ok = super().plans(params)
+        info = self.shard_info(params)
+        agreed = torch.tensor([0 if ok else 1], dtype=torch.int64)
+        if info.world > 1:
+            torch.distributed.all_reduce(agreed, group=info.group)
+        if ok and int(agreed[0]):
+            self.why_not = f"{int(agreed[0])} other rank(s) cannot plan this transform over their blocks"
+        return not int(agreed[0])
+
     def plan_layout(self, params: Any) -> Any:
         info = self.shard_info(params)
         return plan(self.transform, local_tree(params), tags=[(("sharded", s.sharded),) for s in info.slices], shard=info)

@@ -1,0 +1,30 @@
+"""The sharded update on FSDP2 (2 CPU ranks, gloo) equals one process: one torchrun run.
+
+Covers AdamW + global-norm clip, Muon (owner-computes) with AdamW, LAMB (trust-ratio
+norms), AGC, `apply_if_finite` skipping on every rank when one rank's grad block holds a
+NaN, uneven blocks and a rank holding an empty one, compiled and eager, and a forward after
+the update (FSDP2 all-gathers the updated params). Resumes across world sizes run through the
+Trainer in tests/api/test_distributed.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+WORKER = Path(__file__).with_name("_fsdp_step_worker.py")
+
+
+def test_sharded_update_on_two_fsdp2_ranks_equals_one_process():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(WORKER)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    done = [line.split()[1:3] for line in out.stdout.splitlines() if line.startswith("ok ")]
+    assert done == [
+        ["adamw+clip+skip", "compile=False"], ["adamw+clip+skip", "compile=True"],
+        ["muon_adamw", "compile=False"], ["muon_adamw", "compile=True"],
+        ["lamb", "compile=False"], ["adaptive_clip", "compile=False"],
+    ], out.stdout

@@ -491,3 +491,31 @@ def test_compiled_donated_update_with_clip_and_ema_equals_eager_and_never_recomp
         p_ref, s_ref, e_ref = eager(p_ref, grads, s_ref, e_ref)
     assert [t.data_ptr() for t in pytree.tree_leaves((p, s, e))] == ptrs
     assert_trees_close((p, s, e), (p_ref, s_ref, e_ref), rtol=1e-5, atol=1e-6)
+
+
+def test_donated_update_refuses_a_tree_holding_one_tensor_twice_naming_both_paths():
+    # In place, both leaves' updates would land on the one tensor (the pure and compiled
+    # updates write one of them): refused before anything is written.
+    w = torch.ones(3)
+    params = {"embed": w, "head": w}
+    opt = ps.adamw(0.1)
+    state = opt.init(params)
+    for compile in (False, True):
+        update = ps.make_update(opt, compile=compile, donate=True)
+        with pytest.raises(ValueError, match="params 'embed' and 'head' are the same tensor"):
+            update(params, {"embed": torch.ones(3), "head": torch.ones(3)}, state)
+    assert torch.equal(w, torch.ones(3))
+
+
+def test_explain_names_the_path_each_update_took():
+    params = {"w": torch.ones(4, 3), "b": torch.zeros(3)}
+    grads = {"w": torch.ones(4, 3), "b": torch.ones(3)}
+    opt = ps.adamw(0.1)
+    assert ps.make_update(opt).explain().startswith("pure")
+    eager = ps.make_update(opt, donate=True)
+    assert eager.explain().startswith("not chosen yet")
+    eager(clone(params), grads, opt.init(params))
+    assert eager.explain().startswith("eager in place")
+    per_leaf = ps.make_update(opt, compile=True, donate=True, flat=False)
+    per_leaf(clone(params), grads, opt.init(params))
+    assert per_leaf.explain() == "per-leaf compiled: flat=False" and per_leaf.layout() is None

@@ -91,10 +91,8 @@ class FlatUpdate:
 
     grads_in = True  # grads come from the caller (make_step computes its own)
 
-    def __init__(self, transform: Any, pure: Callable, averaging: Any, options: dict, compile: bool = True,
-                 eager: Callable | None = None) -> None:
+    def __init__(self, transform: Any, pure: Callable, averaging: Any, options: dict) -> None:
         self.transform, self.pure, self.averaging, self.options = transform, pure, averaging, options
-        self.compile, self.eager = compile, eager  # eager(params, grads, state, ema): in place, without compile
         self.bound: _Bound | None = None
         self.why_not: str | None = None  # why the last `plans` said no
         self._planned: tuple[list[int], Any] | None = None
@@ -184,19 +182,15 @@ class FlatUpdate:
         )
 
     def _compile(self, specs: list[pytree.TreeSpec], device: torch.device) -> Callable:
-        pure, averaging, eager = self.pure, self.averaging, self.eager
+        pure, averaging = self.pure, self.averaging
 
         def step(p, g, s, e):
             trees = [pytree.tree_unflatten(x, sp) for x, sp in zip((p, g, s, e), specs)]
-            e_tree = trees[3] if averaging is not None else None
-            if not self.compile and eager is not None:  # in place on the buffers, no compile
-                eager(trees[0], trees[1], trees[2], e_tree)
-                return
-            out = pure(trees[0], trees[1], trees[2], e_tree)
+            out = pure(trees[0], trees[1], trees[2], trees[3] if averaging is not None else None)
             for dst, src in zip((p, s, e), out):
                 _write_back(dst, src)
 
-        return _compile_own(step, self.options.get(device.type, {})) if self.compile else step
+        return _compile_own(step, self.options.get(device.type, {}))
 
     def _grads_in(self, grads: Any) -> None:
         views, keys = self.bound.grad_views, self.bound.keys

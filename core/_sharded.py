@@ -38,7 +38,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from . import _tree as tr
-from ._flat import Packed, PackSpec, plan
+from ._flat import Packed, PackSpec, Regroup, plan
 from ._flat_step import FlatUpdate, aliases
 
 
@@ -235,9 +235,8 @@ def _move_storage(user: Tensor, view: Tensor, room: int) -> bool:
 class ShardedUpdate(FlatUpdate):
     """`FlatUpdate` over this rank's FSDP2 shards (see the module docstring)."""
 
-    def __init__(self, transform: Any, pure: Callable, averaging: Any, options: dict, compile: bool,
-                 eager: Callable | None = None) -> None:
-        super().__init__(transform, pure, averaging, options, compile, eager)
+    def __init__(self, transform: Any, pure: Callable, averaging: Any, options: dict) -> None:
+        super().__init__(transform, pure, averaging, options)
         self.copy_back: list[tuple[Tensor, Tensor]] = []
 
     def local(self, tree: Any) -> Any:
@@ -287,16 +286,12 @@ class ShardedUpdate(FlatUpdate):
 
     # -- planning -------------------------------------------------------------------
     def plans(self, params: Any) -> bool:
-        """Whether every rank can run the sharded path: the ranks must agree (one collective,
-        once), since their collectives must match; a rank's reason is kept."""
-        ok = super().plans(params)
-        info = self.shard_info(params)
-        agreed = torch.tensor([0 if ok else 1], dtype=torch.int64)
-        if info.world > 1:
-            torch.distributed.all_reduce(agreed, group=info.group)
-        if ok and int(agreed[0]):
-            self.why_not = f"{int(agreed[0])} other rank(s) cannot plan this transform over their blocks"
-        return not int(agreed[0])
+        """Whether every rank can run the sharded path (the ranks must agree, `_agree`)."""
+        try:
+            ok = super().plans(params)
+        except ValueError as e:  # a placement or mesh the sharded path does not take
+            self.why_not, ok = str(e), False
+        return _agree(ok, params, self)
 
     def plan_layout(self, params: Any) -> Any:
         info = self.shard_info(params)
@@ -306,3 +301,79 @@ class ShardedUpdate(FlatUpdate):
         """Room for the padding FSDP2 keeps past a block (its storage is the padded shard)."""
         leaves = pytree.tree_leaves(params)
         return max([leaves[m.index].untyped_storage().nbytes() // leaves[m.index].element_size() - m.numel for m in group.members] + [0])
+
+
+class ShardedEager:
+    """The sharded path without compile: each of this rank's blocks is a buffer of its own.
+
+    Eager kernels gain nothing from packing (one op per leaf either way) and would pay for
+    the copies and temporaries of large buffers, so here the "buffers" are the user's own
+    local blocks, in place, with no binding and no storage moved: the transform runs through
+    its in-place forms (`eager(params, grads, state, ema)`) on a packed tree of one leaf per
+    group, which gives `_layout` the shard description (reductions across ranks,
+    owner-computes)."""
+
+    def __init__(self, transform: Any, eager: Callable, averaging: Any) -> None:
+        self.transform, self.eager, self.averaging = transform, eager, averaging
+        self.why_not: str | None = None
+        self._planned: tuple[list[int], PackSpec, Any, Any] | None = None
+        self.bound = None
+
+    def _plan(self, params: Any) -> tuple[PackSpec, Any, Any]:
+        key = [id(x) for x in pytree.tree_leaves(params)]
+        if self._planned is None or self._planned[0] != key:
+            pairs, _ = tr.tree_flatten_with_path(params)
+            meshes = {(x.device_mesh.device_type, tuple(x.device_mesh.mesh.flatten().tolist())): x.device_mesh
+                      for _, x in pairs if is_dtensor(x)}
+            group = next(iter(meshes.values())).get_group()
+            world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+            info = ShardInfo(group, world, rank, [_slice_of(p, x, world, rank) for p, x in pairs])
+            alone = [(("sharded", s.sharded), ("alone", i)) for i, s in enumerate(info.slices)]
+            pack = plan(self.transform, local_tree(params), tags=alone, shard=info)
+            with torch.no_grad():  # the state's structure over this layout (its values are the user's)
+                packed = Packed(pack, pytree.tree_leaves(local_tree(params)))
+                state_spec = pytree.tree_structure(self.transform.init(packed))
+                ema_spec = pytree.tree_structure(self.averaging[0](packed)) if self.averaging is not None else None
+            info.active = True
+            self._planned = (key, pack, state_spec, ema_spec)
+        return self._planned[1:]
+
+    def plans(self, params: Any) -> bool:
+        try:
+            self._plan(params)
+            ok = True
+        except Regroup as e:
+            self.why_not, ok = e.reason or "no stable grouping", False
+        except ValueError as e:  # a placement or mesh the sharded path does not take
+            self.why_not, ok = str(e), False
+        return _agree(ok, params, self)
+
+    def layout(self) -> None:
+        return None
+
+    def __call__(self, params: Any, grads: Any, opt_state: Any, ema_state: Any = None) -> None:
+        pack, state_spec, ema_spec = self._plan(params)
+
+        def packed(tree: Any, spec: Any, what: str) -> Any:
+            leaves = pytree.tree_leaves(local_tree(tree))
+            if len(leaves) != spec.num_leaves:
+                raise ValueError(f"{what} is not structured like the optimizer's state for these params")
+            return pytree.tree_unflatten(leaves, spec)
+
+        p = Packed(pack, pytree.tree_leaves(local_tree(params)))
+        g = Packed(pack, tr.check_match(local_tree(grads), local_tree(params), "grads", "params"))
+        e = packed(ema_state, ema_spec, "ema_state") if self.averaging is not None else None
+        self.eager(p, g, packed(opt_state, state_spec, "opt_state"), e)
+
+
+def _agree(ok: bool, params: Any, engine: Any) -> bool:
+    """Whether every rank can run a sharded path (one collective, at the first call): their
+    collectives must match, so a rank that cannot sends all to the per-leaf path."""
+    meshes = [x.device_mesh for x in pytree.tree_leaves(params) if is_dtensor(x)]
+    group = meshes[0].get_group() if meshes else None
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
+    if group is not None and torch.distributed.get_world_size(group) > 1:
+        torch.distributed.all_reduce(flag, group=group)
+    if ok and int(flag[0]):
+        engine.why_not = f"{int(flag[0])} other rank(s) cannot plan this transform over their blocks"
+    return not int(flag[0])

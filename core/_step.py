@@ -173,7 +173,7 @@ def _leaf_pairs(dst: Any, src: Any, out: list) -> bool:
     kind = type(dst)
     if kind is not type(src):
         return False
-    if kind is dict:
+    if issubclass(kind, dict):  # a `Packed` tree of buffers too
         return list(dst) == list(src) and all(_leaf_pairs(dst[k], src[k], out) for k in dst)
     if kind is tuple or kind is list or tr.is_namedtuple(dst):
         return len(dst) == len(src) and all(_leaf_pairs(a, b, out) for a, b in zip(dst, src))
@@ -353,7 +353,8 @@ class _Engine:
         if on_dtensors:
             engine = self.sharded() if self.sharded is not None else None
             if engine is not None and engine.plans(params):
-                return _Path("sharded", "DTensor params: flat buffers over this rank's shards", engine)
+                how = "flat buffers over this rank's blocks" if self.compile else "this rank's blocks in place, eager"
+                return _Path("sharded", f"DTensor params: {how}", engine)
             why = "flat=False" if self.flat_asked is False else "no sharded path here" if engine is None else engine.why_not
             return _Path("per-leaf DTensor", f"{why}; eager, on whole DTensors", self.per_leaf_dtensor)
         if self.flat is not None:
@@ -432,8 +433,14 @@ def make_update(
     - grads are copied into a flat grad buffer and the grad tensors passed are re-pointed
       into it, so a `loss.backward()` after `zero_grad(set_to_none=False)` writes there
       directly and the next call copies nothing;
-    - leaves that are not plain dense tensors (DTensor under FSDP2) keep the per-leaf
-      path, as do transforms whose state is not shaped like the params.
+    - transforms whose state is not shaped like the params keep a per-leaf path.
+
+    FSDP2 (DTensor params, grads and state), `donate=True`, compiled or not: the same flat
+    buffers over this rank's row blocks; tree-wide reductions are local partials plus one
+    batched collective each, Muon's orthogonalization runs once per matrix on an owner rank,
+    and the params keep their storage objects, whose memory moves into the buffers (FSDP2
+    all-gathers from there). See the README's "Under FSDP2". `update.explain()` says which
+    path runs and why; `update.layout()` shows the buffers.
 
     Example:
         >>> import torch, purestep.core as ps
@@ -473,17 +480,14 @@ def make_update(
         if averaging is not None:
             _adopt_into(ema_state, averaging[1](ema_state, params), "ema_state", taken)
 
-    def in_place_on_buffers(params, grads, opt_state, ema_state=None):
-        # The sharded path without compile: the in-place forms run on the flat buffers;
-        # new state leaves are copied back (bound buffers are never re-pointed).
-        new_state = apply_in_place(optimizer, grads, opt_state, params)
-        _copy_into(opt_state, new_state, "opt_state")
-        if averaging is not None:
-            _copy_into(ema_state, averaging[1](ema_state, params), "ema_state")
-
     inner = pure if not donate else in_place if compile else eager_in_place
     inner = _maybe_compile(inner, compile)
-    sharded = lambda: _sharded.ShardedUpdate(optimizer, pure, averaging, _FLAT_OPTIONS, compile, in_place_on_buffers)  # noqa: E731
+
+    def sharded():
+        if compile:
+            return _sharded.ShardedUpdate(optimizer, pure, averaging, _FLAT_OPTIONS)
+        return _sharded.ShardedEager(optimizer, eager_in_place, averaging)
+
     engine = _Engine(
         flat=FlatUpdate(optimizer, pure, averaging, _FLAT_OPTIONS) if compile and flat else None,
         sharded=sharded if flat else None,

@@ -212,6 +212,19 @@ class ShardInfo:
         return {i: p.view(blocks[i].shape) for i, p in zip(order, parts)}
 
 
+def shard_info(params: Any) -> ShardInfo:
+    """How `params` (DTensors of one 1-D mesh, or plain tensors: replicated) lie over the ranks."""
+    pairs, _ = tr.tree_flatten_with_path(params)
+    # One mesh (fully_shard per block makes equal mesh objects: compared by their ranks).
+    meshes = {(x.device_mesh.device_type, tuple(x.device_mesh.mesh.flatten().tolist())): x.device_mesh
+              for _, x in pairs if is_dtensor(x)}
+    if len(meshes) != 1:
+        raise ValueError(f"the params' DTensors live on {len(meshes)} device meshes; purestep's sharded step takes one")
+    group = next(iter(meshes.values())).get_group()
+    world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    return ShardInfo(group, world, rank, [_slice_of(p, x, world, rank) for p, x in pairs])
+
+
 # --------------------------------------------------------------------------- #
 # The step.
 # --------------------------------------------------------------------------- #
@@ -244,17 +257,6 @@ class ShardedUpdate(FlatUpdate):
 
     def local_leaves(self, leaves: list) -> list:
         return [local(x) for x in leaves]
-
-    def shard_info(self, params: Any) -> ShardInfo:
-        pairs, _ = tr.tree_flatten_with_path(params)
-        # One mesh (fully_shard per block makes equal mesh objects: compared by their ranks).
-        meshes = {(x.device_mesh.device_type, tuple(x.device_mesh.mesh.flatten().tolist())): x.device_mesh for _, x in pairs if is_dtensor(x)}
-        if len(meshes) != 1:
-            raise ValueError(f"the params' DTensors live on {len(meshes)} device meshes; purestep's sharded step takes one")
-        mesh = next(iter(meshes.values()))
-        group = mesh.get_group()
-        world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
-        return ShardInfo(group, world, rank, [_slice_of(p, x, world, rank) for p, x in pairs])
 
     def bind_params(self, params: Any, packed_params: Packed, groups: list, p_raw: list[Tensor]) -> None:
         """The user's param blocks into the buffers, keeping their storage objects."""
@@ -294,7 +296,7 @@ class ShardedUpdate(FlatUpdate):
         return _agree(ok, params, self)
 
     def plan_layout(self, params: Any) -> Any:
-        info = self.shard_info(params)
+        info = shard_info(params)
         return plan(self.transform, local_tree(params), tags=[(("sharded", s.sharded),) for s in info.slices], shard=info)
 
     def slack(self, params: Any, group: Any) -> int:
@@ -322,12 +324,7 @@ class ShardedEager:
     def _plan(self, params: Any) -> tuple[PackSpec, Any, Any]:
         key = [id(x) for x in pytree.tree_leaves(params)]
         if self._planned is None or self._planned[0] != key:
-            pairs, _ = tr.tree_flatten_with_path(params)
-            meshes = {(x.device_mesh.device_type, tuple(x.device_mesh.mesh.flatten().tolist())): x.device_mesh
-                      for _, x in pairs if is_dtensor(x)}
-            group = next(iter(meshes.values())).get_group()
-            world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
-            info = ShardInfo(group, world, rank, [_slice_of(p, x, world, rank) for p, x in pairs])
+            info = shard_info(params)
             alone = [(("sharded", s.sharded), ("alone", i)) for i, s in enumerate(info.slices)]
             pack = plan(self.transform, local_tree(params), tags=alone, shard=info)
             with torch.no_grad():  # the state's structure over this layout (its values are the user's)

@@ -432,18 +432,6 @@ def set_hyperparam(state: OptState, name: str, value: Any) -> OptState:
 # --------------------------------------------------------------------------- #
 
 
-def _known_on_host(flag: Tensor) -> bool:
-    """Whether a 0-d flag can be read in Python without a device sync and without breaking
-    a trace: eager code, a CPU tensor, outside torch.func transforms and autograd graphs."""
-    return (
-        flag.device.type == "cpu"
-        and not torch.compiler.is_compiling()
-        and torch._C._functorch.peek_interpreter_stack() is None
-        and not flag.requires_grad
-        and type(flag) is Tensor
-    )
-
-
 def _select_tree(cond: Tensor, new: PyTree, old: PyTree) -> PyTree:
     return pytree.tree_map(lambda a, b: torch.where(cond, a, b), new, old)
 
@@ -495,16 +483,8 @@ def apply_if_finite(inner: Transform, max_consecutive: int | None = None) -> Tra
         finite = lay.all_finite(grads, pytree.tree_leaves(grads) + floats).to(state.last_finite.device)
         notfinite = torch.where(finite, torch.zeros_like(state.notfinite_count), state.notfinite_count + 1)
         apply = finite if max_consecutive is None else finite | (notfinite > max_consecutive)
-        if _known_on_host(apply):
-            # Eager on the CPU the flag is already in host memory: reading it costs nothing,
-            # and a skipped step then selects nothing elementwise (one `where` per leaf of
-            # the updates and state otherwise, the eager step's largest cost).
-            if not bool(apply):
-                updates = pytree.tree_map(torch.zeros_like, updates)
-                inner_state = state.inner_state
-        else:
-            updates = pytree.tree_map(lambda u: torch.where(apply, u, 0.0), updates)
-            inner_state = _select_tree(apply, inner_state, state.inner_state)
+        updates = pytree.tree_map(lambda u: torch.where(apply, u, 0.0), updates)
+        inner_state = _select_tree(apply, inner_state, state.inner_state)
         total = state.total_notfinite + (~finite).to(torch.int64)
         return updates, ApplyIfFiniteState(notfinite, finite, total, inner_state)
 

@@ -99,7 +99,7 @@ def scale_by_ademamix(
         nu = ls.cast_like(ls.ema_sq(nu, wide, beta2), wide)
         # u = (m₁ / bc1 + α·m₂) / (√(ν / bc2 + eps_root) + eps)
         denom = ls.mul(nu, 1.0 / bc2)
-        if eps_root:
+        if isinstance(eps_root, Tensor) or eps_root:  # injected: a 0-d tensor, added whatever its value
             denom = ls.add_scalar_(denom, eps_root)
         denom = ls.add_scalar_(ls.sqrt_(denom), eps)
         numer = ls.lincomb(1.0 / bc1, m1, a, m2)

@@ -7,7 +7,6 @@ Which dims of a leaf scale with width is read off a base model's shapes, as
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Mapping
 
 import torch
@@ -185,14 +184,13 @@ class _Rule:
         return _multipliers(tree, normalized, self.rule)
 
 
-@functools.lru_cache(maxsize=64)
-def _rule_for(normalized: tuple, rule: str) -> _Rule:
-    return _Rule(normalized, None, rule)
-
-
-@functools.lru_cache(maxsize=64)
-def _rule_for_callable(fn: Callable, rule: str) -> _Rule:
-    return _Rule(None, fn, rule)
+# One rule object per (base shapes, rule) for the life of the process. Flat buffers key a
+# per-leaf rule's values by the rule's identity, resolved once when the layout is planned;
+# `inject_hyperparams` builds its factory again at every update (in a compiled step inside
+# the trace, where functools caches are traced through, not consulted), so a new object per
+# call would be resolved again, and in a compiled step recompile. A plain dict lookup is
+# what the trace sees and guards on.
+_RULES_MEMO: dict[tuple, _Rule] = {}
 
 
 def mup_rule(base_shapes: Any, optimizer: str) -> _Rule:
@@ -200,9 +198,11 @@ def mup_rule(base_shapes: Any, optimizer: str) -> _Rule:
     _check_rule(optimizer)
     if base_shapes is None:
         raise ValueError("base_shapes is required: the base model's shapes (see ps.mup_lr_multipliers)")
-    if callable(base_shapes):
-        return _rule_for_callable(base_shapes, optimizer)
-    return _rule_for(_normalize(base_shapes), optimizer)
+    key = (base_shapes if callable(base_shapes) else _normalize(base_shapes), optimizer)
+    if key not in _RULES_MEMO:
+        fn = base_shapes if callable(base_shapes) else None
+        _RULES_MEMO[key] = _Rule(None if fn is not None else key[0], fn, optimizer)
+    return _RULES_MEMO[key]
 
 
 

@@ -169,3 +169,38 @@ def test_mup_adamw_with_injected_hyperparams_keeps_base_shapes_static():
     assert "base_shapes" not in ps.get_hyperparams(state)
     updates, _ = opt.update({"w": torch.ones(8, 8, dtype=torch.float64)}, state, params)
     torch.testing.assert_close(updates["w"], torch.full((8, 8), -0.05, dtype=torch.float64), rtol=RTOL, atol=0)
+
+
+def test_compiled_donated_update_of_ademamix_cautious_and_mup_equals_eager_without_recompiles():
+    """One compile covers the third release's blocks on flat buffers: AdEMAMix (elementwise),
+    cautious AdamW (a per-leaf count: same-shape leaves stacked) and μP AdamW (per-leaf
+    multipliers: leaves grouped by multiplier), hyperparameters injected and changed."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    shapes = {"w1": (16, 16), "w2": (16, 16), "v": (32, 16), "b": (16,)}
+    params = {f"{k}.{n}": torch.randn(s, generator=g) for k in ("a", "c", "m") for n, s in shapes.items()}
+    base = {name: tuple(d // 2 for d in p.shape) for name, p in params.items()}
+    lr = lambda t: 1e-2 * torch.clamp((t + 1) / 3, max=1.0)  # noqa: E731
+    opt = ps.partition(
+        {
+            "a": ps.inject_hyperparams(ps.ademamix)(lr=lr, b3=0.99, alpha=2.0, weight_decay=0.1),
+            "c": ps.inject_hyperparams(ps.cautious_adamw)(lr=lr, weight_decay=0.1),
+            "m": ps.inject_hyperparams(ps.mup_adamw)(lr=lr, weight_decay=0.1, base_shapes=base),
+        },
+        lambda p: {k: k[0] for k in p},
+    )
+    compiled, eager = ps.make_update(opt, compile=True, donate=True), ps.make_update(opt)
+    p, s = {k: v.clone() for k, v in params.items()}, opt.init(params)
+    p_ref, s_ref = {k: v.clone() for k, v in params.items()}, opt.init(params)
+    for i in range(4):
+        grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+        if i == 2:  # a changed hyperparameter is a new tensor value, not a new graph
+            s, s_ref = ps.set_hyperparam(s, "alpha", 5.0), ps.set_hyperparam(s_ref, "alpha", 5.0)
+        with torch.compiler.set_stance("fail_on_recompile" if i else "default"):
+            compiled(p, grads, s)
+        p_ref, s_ref = eager(p_ref, grads, s_ref)
+    layout = compiled.layout()
+    assert layout is not None and len(layout) < len(params), layout  # flat buffers, leaves packed together
+    for k in params:
+        torch.testing.assert_close(p[k], p_ref[k], rtol=1e-5, atol=1e-6, msg=k)
+        assert not torch.equal(p[k], params[k]), k

@@ -18,8 +18,10 @@
 3. `mup`: a small GPT (`TinyGPT` below: 2 blocks, 4 heads, sequence 64) at widths 64, 128 and
    256, trained `--mup-steps` steps with Adam at each lr of a grid, in the standard
    parametrization (`ps.adamw`, 1/√d attention, a plain readout) and in μP (`ps.mup_adamw` with
-   the width-64 model's shapes as `base_shapes`, `mup.MuReadout` and 1/d attention; at width 64
-   the two are the same model and optimizer). One PNG: final validation loss against lr per width.
+   the width-64 model's params (meta tensors) as `base_shapes`, `mup.MuReadout`'s readout and 1/d
+   attention; at width 64 the two are the same model and optimizer). Hidden and embedding inits
+   are torch's defaults, already μP's (variance 1/fan-in, and constant). One PNG: final
+   validation loss against lr per width.
 """
 
 from __future__ import annotations
@@ -303,17 +305,31 @@ class Block(nn.Module):
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
+class Readout(nn.Linear):
+    """`mup.MuReadout`'s math with the width multiplier fixed at construction: the input divided
+    by it, the init scaled by its square root (`MuReadout._rescale_parameters`). mup's module reads
+    `self.weight.infshape`, which the plain tensors of a functional call (`ps.functional_model`)
+    do not carry."""
+
+    def __init__(self, d: int, n: int, width_mult: float) -> None:
+        super().__init__(d, n, bias=False)
+        self.width_mult = width_mult
+        with torch.no_grad():
+            self.weight.mul_(width_mult**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x / self.width_mult)
+
+
 class TinyGPT(nn.Module):
-    """A 2-block byte-level GPT; `mup=True` swaps in `mup.MuReadout` and 1/d attention."""
+    """A 2-block byte-level GPT; `mup=True` swaps in a μP readout and 1/d attention."""
 
     def __init__(self, d: int, mup: bool) -> None:
         super().__init__()
-        import mup as mup_lib
-
         self.wte, self.wpe = nn.Embedding(256, d), nn.Embedding(MUP_SEQ, d)
         self.blocks = nn.ModuleList(Block(d, mup) for _ in range(MUP_LAYERS))
         self.ln_f = nn.LayerNorm(d)
-        self.head = mup_lib.MuReadout(d, 256, bias=False) if mup else nn.Linear(d, 256, bias=False)
+        self.head = Readout(d, 256, d / MUP_BASE) if mup else nn.Linear(d, 256, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
@@ -323,22 +339,16 @@ class TinyGPT(nn.Module):
 
 
 def mup_model(width: int, mup: bool, seed: int) -> nn.Module:
-    import mup as mup_lib
-
     torch.manual_seed(seed)
-    model = TinyGPT(width, mup)
-    if mup:  # infshapes and the readout's init rescale; base = the width-64 model's shapes
-        mup_lib.set_base_shapes(model, mup_lib.get_shapes(TinyGPT(MUP_BASE, True)))
-    return model
+    return TinyGPT(width, mup)
 
 
 def mup_transfer(args: argparse.Namespace) -> str:
-    import mup as mup_lib
-
     tokens = stdlib_corpus(demo_config().data.max_bytes)
     data = ByteCorpus(tokens, seq_len=MUP_SEQ, batch_size=MUP_BATCH, seed=args.seed)
     val = [ByteCorpus(tokens, seq_len=MUP_SEQ, batch_size=MUP_BATCH, seed=0).batch(i, split="val") for i in range(4)]
-    base_shapes = mup_lib.get_shapes(TinyGPT(MUP_BASE, True))
+    with torch.device("meta"):
+        base_shapes = dict(TinyGPT(MUP_BASE, True).named_parameters())  # the base model's params tree: its shapes
     lrs = [float(x) for x in args.lrs]
     results: dict[str, dict[int, dict[float, float]]] = {"SP": {}, "μP": {}}
     for width in MUP_WIDTHS:
@@ -352,7 +362,7 @@ def mup_transfer(args: argparse.Namespace) -> str:
                 loss = r["val"][-1][1]
                 results[kind].setdefault(width, {})[lr] = loss
                 print(f"  {kind} width {width} lr {lr:.2e}: val loss {loss:.4f} ({r['seconds']:.0f} s)", flush=True)
-    stem = f"{time.strftime('%Y-%m-%d')}-families-mup-cpu"
+    stem = f"{time.strftime('%Y-%m-%d')}-families-mup{'-' + args.tag if args.tag else ''}-cpu"
     (C.RESULTS / f"{stem}.json").write_text(json.dumps({k: {str(w): v for w, v in d.items()} for k, d in results.items()}, indent=0))
     _plot_mup(results, C.RESULTS / f"{stem}.png")
     rows = []
@@ -382,7 +392,7 @@ def _plot_mup(results: dict, path: Path) -> None:
             lrs = sorted(losses)
             ax.plot(lrs, [losses[lr] for lr in lrs], "o-", ms=4, label=f"width {width}")
         ax.set_xscale("log")
-        title = "standard parametrization (ps.adamw)" if kind == "SP" else "μP (ps.mup_adamw, mup.MuReadout)"
+        title = "standard parametrization (ps.adamw)" if kind == "SP" else "μP (ps.mup_adamw, μP readout, 1/d attention)"
         ax.set(xlabel="peak lr", title=title)
         ax.legend(fontsize=8)
     axes[0].set_ylabel("final validation loss")

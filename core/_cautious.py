@@ -86,8 +86,8 @@ def cautious(transform: Transform, *, before_lr: bool = False, rescale: str = "c
         return transform.init(params)
 
     def update(grads, state, params=None, **extra):
-        updates, state = transform.update(grads, state, params, **extra)
         _flat.need_whole_leaves(grads, stacks=True)  # per-leaf counts: same-shape leaves stacked
+        updates, state = transform.update(grads, state, params, **extra)
         us, spec = pytree.tree_flatten(updates)
         gs = tr.check_match(grads, updates, "grads", "updates", dtype=False)
         out = []

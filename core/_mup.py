@@ -2,7 +2,7 @@
 
 Which dims of a leaf scale with width is read off a base model's shapes, as
 `mup.set_base_shapes` reads it; the multipliers then feed `scale_per_leaf` (the
-`mup_adamw` and `mup_sgd` aliases in `_optimizers.py` are the chains).
+`mup_adamw` and `mup_sgd` aliases below are the chains).
 """
 
 from __future__ import annotations
@@ -203,7 +203,6 @@ def mup_rule(base_shapes: Any, optimizer: str) -> _Rule:
         fn = base_shapes if callable(base_shapes) else None
         _RULES_MEMO[key] = _Rule(None if fn is not None else key[0], fn, optimizer)
     return _RULES_MEMO[key]
-
 
 
 # --------------------------------------------------------------------------- #

@@ -9,6 +9,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from . import _flat
+from . import _lists as ls
 from . import _tree as tr
 from ._base import OptState, Params, ScalarOrSchedule, Transform, check_betas, check_hyperparam, check_nonnegative
 from ._combine import chain
@@ -19,20 +20,11 @@ _RESCALES = ("count", "mean")
 _MEAN_FLOOR = 1e-3  # C-Optim's (and timm's) floor on the kept fraction under rescale="mean"
 
 
-def _kept_factor(keep: Tensor, stack: bool, rescale: str, dtype: torch.dtype) -> Tensor:
-    """The rescale of each leaf (each member of a (k, *shape) stack, shaped (k, 1, ...)) from
-    its mask of kept entries: numel/(kept + 1), or 1/max(kept/numel, 1e-3)."""
-    dims = tuple(range(1, keep.dim())) if stack else tuple(range(keep.dim()))
-    if stack and keep.dim() == 1:  # a stack of 0-d leaves: each member is its own count
-        kept, numel = keep.to(torch.float64), 1
-    else:
-        kept = keep.sum(dim=dims, keepdim=True, dtype=torch.float64) if dims else keep.to(torch.float64)
-        numel = keep[0].numel() if stack else keep.numel()
+def _rescale(kept: Tensor, numel: int, rescale: str) -> Tensor:
+    """The factor on a leaf's kept entries from their count: n/(kept + 1), or 1/max(kept/n, 1e-3)."""
     if rescale == "count":
-        factor = numel / (kept + 1.0)
-    else:
-        factor = 1.0 / torch.clamp(kept / numel, min=_MEAN_FLOOR)
-    return factor.to(dtype)
+        return numel / (kept + 1.0)
+    return 1.0 / torch.clamp(kept / numel, min=_MEAN_FLOOR)
 
 
 def cautious(transform: Transform, *, before_lr: bool = False, rescale: str = "count") -> Transform:
@@ -90,11 +82,12 @@ def cautious(transform: Transform, *, before_lr: bool = False, rescale: str = "c
         updates, state = transform.update(grads, state, params, **extra)
         us, spec = pytree.tree_flatten(updates)
         gs = tr.check_match(grads, updates, "grads", "updates", dtype=False)
+        stacked = _flat.stacked_leaves(grads)
+        keeps = [(u * g.to(u.dtype) > 0) if before_lr else (u * g.to(u.dtype) < 0) for u, g in zip(us, gs)]
+        kept = ls.member_sums(keeps, stacked)  # per leaf, or per member of a stack: (k, 1, ...)
         out = []
-        for u, g, stack in zip(us, gs, _flat.stacked_leaves(grads)):
-            product = u * g.to(u.dtype)
-            keep = product > 0 if before_lr else product < 0
-            factor = _kept_factor(keep, stack, rescale, u.dtype)
+        for u, keep, n, stack in zip(us, keeps, kept, stacked):
+            factor = _rescale(n, u[0].numel() if stack else u.numel(), rescale).to(u.dtype)
             out.append(u * (keep.to(u.dtype) * factor))  # a NaN in u stays NaN, as in C-Optim
         return pytree.tree_unflatten(out, spec), state
 

@@ -38,6 +38,21 @@ def _half_width(params: Any) -> dict[str, tuple[int, ...]]:
             for path, leaf in ps.tree_flatten_with_path(params)[0]}
 
 
+def _mup_reference(cls_name: str, **kwargs: Any) -> Callable[[list], torch.optim.Optimizer]:
+    """`mup.MuAdamW` / `mup.MuSGD` on the kit's params, each tagged with the infshape that
+    `mup.set_base_shapes` would give it against `_half_width`'s base."""
+
+    def make(params: list) -> torch.optim.Optimizer:
+        import mup
+        from mup.infshape import zip_infshape
+
+        for p in params:
+            p.infshape = zip_infshape(list(_half_width({"p": p})["p"]), list(p.shape))
+        return getattr(mup, cls_name)(params, **kwargs)
+
+    return make
+
+
 TRANSFORMS: dict[str, Case] = {
     c.name: c
     for c in [
@@ -90,8 +105,9 @@ TRANSFORMS: dict[str, Case] = {
         Case("cautious_adamw", lambda: ps.cautious_adamw(1e-2, weight_decay=0.1, rescale="mean"), decoupled_decay=True,
              scale_invariant=True),
         Case("mup_adamw", lambda: ps.mup_adamw(1e-2, weight_decay=0.1, base_shapes=_half_width), decoupled_decay=True,
-             scale_invariant=True),
-        Case("mup_sgd", lambda: ps.mup_sgd(0.1, momentum=0.9, weight_decay=0.01, base_shapes=_half_width)),
+             scale_invariant=True, reference=_mup_reference("MuAdamW", lr=1e-2, weight_decay=0.1)),
+        Case("mup_sgd", lambda: ps.mup_sgd(0.1, momentum=0.9, weight_decay=0.01, base_shapes=_half_width),
+             reference=_mup_reference("MuSGD", lr=0.1, momentum=0.9, weight_decay=0.01)),
     ]
 }
 

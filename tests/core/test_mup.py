@@ -83,7 +83,7 @@ def test_mup_adamw_matches_mup_muadamw(width, weight_decay):
                                     dict(momentum=0.9, nesterov=True, weight_decay=0.01),
                                     dict(momentum=0.8, dampening=0.3)], ids=["plain", "momentum-decay", "nesterov", "dampening"])
 def test_mup_sgd_matches_mup_musgd(kwargs):
-    net = make_net(12, Net(4))
+    net = make_net(12, Net(4), ff=16)  # width 3x, ff 2x the base: fan-in and fan-out multipliers differ
     params, grads = _params(net), grads_for(net)
     theirs = run_torch(net, mup.MuSGD(net.parameters(), lr=0.05, **kwargs), grads)
     ours = run_ours(ps.mup_sgd(0.05, **kwargs, base_shapes=BASE), params, grads)

@@ -28,6 +28,10 @@ BUFFER_NAMES = {
     ("ScaleByLionState", "mu"): "exp_avg",
     ("TraceState", "trace"): "momentum_buffer",
     ("ScaleByMuonState", "mu"): "momentum_buffer",
+    # AdEMAMix: the names of the paper's PyTorch code (apple/ml-ademamix)
+    ("ScaleByAdemamixState", "m1"): "exp_avg_fast",
+    ("ScaleByAdemamixState", "m2"): "exp_avg_slow",
+    ("ScaleByAdemamixState", "nu"): "exp_avg_sq",
 }
 # torch.optim group keys that choose an implementation, not the math: kept, never checked.
 IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")

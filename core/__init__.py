@@ -65,6 +65,14 @@ from ._precision import stochastic_round as stochastic_round
 from ._schedule_free import ScheduleFreeState as ScheduleFreeState
 from ._schedule_free import schedule_free as schedule_free
 from ._schedule_free import schedule_free_eval_params as schedule_free_eval_params
+from ._ademamix import ScaleByAdemamixState as ScaleByAdemamixState
+from ._ademamix import ademamix as ademamix
+from ._ademamix import scale_by_ademamix as scale_by_ademamix
+from ._cautious import cautious as cautious
+from ._cautious import cautious_adamw as cautious_adamw
+from ._mup import mup_adamw as mup_adamw
+from ._mup import mup_lr_multipliers as mup_lr_multipliers
+from ._mup import mup_sgd as mup_sgd
 from ._sophia import ScaleBySophiaState as ScaleBySophiaState
 from ._sophia import gnb_hessian as gnb_hessian
 from ._sophia import scale_by_sophia as scale_by_sophia
@@ -220,6 +228,15 @@ __all__ = [
     "dequantize_blockwise",
     "QuantizedTensor",
     "CompensatedUpdatesState",
+    # third release: AdEMAMix, cautious updates, μP
+    "ademamix",
+    "scale_by_ademamix",
+    "ScaleByAdemamixState",
+    "cautious",
+    "cautious_adamw",
+    "mup_lr_multipliers",
+    "mup_adamw",
+    "mup_sgd",
     # the step function
     "make_step",
     "make_update",

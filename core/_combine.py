@@ -288,7 +288,7 @@ class InjectHyperparamsState(NamedTuple):
     inner_state: OptState
 
 
-_ALWAYS_STATIC = ("mask", "labels", "weight_decay_mask", "trust_ratio_mask", "ns_coefficients")
+_ALWAYS_STATIC = ("mask", "labels", "weight_decay_mask", "trust_ratio_mask", "ns_coefficients", "base_shapes")
 
 
 def _injectable(value: Any) -> bool:

@@ -349,6 +349,16 @@ def member_norms(xs: list[Tensor], stacked: list[bool]) -> list[Tensor]:
     return [out[i] for i in range(len(xs))]
 
 
+def member_sums(xs: list[Tensor], stacked: list[bool]) -> list[Tensor]:
+    """Σx of each leaf in float64 (0-d), where a leaf marked in `stacked` (a (k, *shape) stack
+    of k leaves under flat buffers) gives its members' sums shaped (k, 1, ...)."""
+    out = []
+    for x, s in zip(xs, stacked):
+        dims = tuple(range(1, x.dim())) if s else tuple(range(x.dim()))
+        out.append(torch.sum(x, dim=dims, keepdim=s, dtype=torch.float64) if dims else x.to(torch.float64))
+    return out
+
+
 def global_norm(xs: list[Tensor]) -> Tensor:
     """‖(x₁, …, xₙ)‖₂ as one 0-d tensor, accumulated in float32 at least."""
     if not xs:

@@ -98,6 +98,7 @@ OPTIONS = {
     "adam_fp16_mu": (lambda: ps.adam(1e-2, mu_dtype=torch.float16), dict(grad_kinds=("normal", "zeros", "tiny"))),
     "sgd_bf16_momentum": (lambda: ps.sgd(0.1, momentum=0.9, nesterov=True, accumulator_dtype=BF16), {}),
     "lion_8bit": (lambda: ps.lion(1e-3, mu_dtype=FP8), {}),
+    "ademamix_bf16_8bit": (lambda: ps.ademamix(1e-2, b3=0.99, mu_dtype=BF16, nu_dtype=FP8), {}),
     "muon_bf16": (lambda: ps.muon(mu_dtype=BF16, ns_dtype=torch.float32), dict(matrices_only=True)),
     "kahan_params": (lambda: ps.chain(ps.adamw(1e-2, mu_dtype=BF16), ps.compensated_updates()), {}),
     "stochastic_params": (lambda: ps.chain(ps.sgd(0.1), ps.compensated_updates(method="stochastic")), {}),

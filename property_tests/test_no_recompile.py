@@ -11,7 +11,7 @@ import pytest
 
 import purestep.core as ps
 from purestep.core.testing import check_transform
-from tests.registry import TRANSFORMS
+from tests.registry import TRANSFORMS, _half_width
 
 
 def test_injected_adamw_with_a_schedule_compiles_once(kwargs_for):
@@ -29,6 +29,10 @@ INJECTED = {
     "lion": dict(lr=1e-3, weight_decay=0.1),
     "lamb": dict(lr=1e-2, weight_decay=0.1),
     "lars": dict(lr=0.1, weight_decay=0.01),
+    "ademamix": dict(lr=1e-2, b3=0.99, alpha=5.0, weight_decay=0.1),
+    "cautious_adamw": dict(lr=1e-2, weight_decay=0.1),
+    "mup_adamw": dict(lr=1e-2, weight_decay=0.1, base_shapes=_half_width),
+    "mup_sgd": dict(lr=0.1, momentum=0.9, weight_decay=0.01, base_shapes=_half_width),
 }
 
 

@@ -31,6 +31,28 @@ class Case:
     reference: Callable[..., Any] | None = None  # list of params -> torch.optim optimizer, for random-step parity
 
 
+def _half_width(params: Any) -> dict[str, tuple[int, ...]]:
+    """μP base shapes for any tree: the first two dims of every leaf at half size (a leaf's
+    dims of size 1 stay finite), so the kit's leaves are vectors and hidden matrices alike."""
+    return {path: tuple(max(1, d // 2) if i < 2 else d for i, d in enumerate(leaf.shape))
+            for path, leaf in ps.tree_flatten_with_path(params)[0]}
+
+
+def _mup_reference(cls_name: str, **kwargs: Any) -> Callable[[list], torch.optim.Optimizer]:
+    """`mup.MuAdamW` / `mup.MuSGD` on the kit's params, each tagged with the infshape that
+    `mup.set_base_shapes` would give it against `_half_width`'s base."""
+
+    def make(params: list) -> torch.optim.Optimizer:
+        import mup
+        from mup.infshape import zip_infshape
+
+        for p in params:
+            p.infshape = zip_infshape(list(_half_width({"p": p})["p"]), list(p.shape))
+        return getattr(mup, cls_name)(params, **kwargs)
+
+    return make
+
+
 TRANSFORMS: dict[str, Case] = {
     c.name: c
     for c in [
@@ -76,6 +98,16 @@ TRANSFORMS: dict[str, Case] = {
              update_bound=1e-2, extra_trees=("hessian",)),
         Case("compensated_updates", lambda: ps.chain(ps.adamw(1e-2, weight_decay=0.1), ps.compensated_updates())),
         Case("scale_by_sophia", lambda: ps.scale_by_sophia(update_every=2), needs_params=False, extra_trees=("hessian",)),
+        Case("ademamix", lambda: ps.ademamix(1e-2, b3=0.99, weight_decay=0.1), decoupled_decay=True, scale_invariant=True),
+        Case("scale_by_ademamix", lambda: ps.scale_by_ademamix(b3=lambda t: 0.999 - 0.09 * 0.5**t, alpha=lambda t: 0.5 * t),
+             needs_params=False, scale_invariant=True),
+        Case("cautious", lambda: ps.cautious(ps.adamw(1e-2, weight_decay=0.1)), scale_invariant=True),
+        Case("cautious_adamw", lambda: ps.cautious_adamw(1e-2, weight_decay=0.1, rescale="mean"), decoupled_decay=True,
+             scale_invariant=True),
+        Case("mup_adamw", lambda: ps.mup_adamw(1e-2, weight_decay=0.1, base_shapes=_half_width), decoupled_decay=True,
+             scale_invariant=True, reference=_mup_reference("MuAdamW", lr=1e-2, weight_decay=0.1)),
+        Case("mup_sgd", lambda: ps.mup_sgd(0.1, momentum=0.9, weight_decay=0.01, base_shapes=_half_width),
+             reference=_mup_reference("MuSGD", lr=0.1, momentum=0.9, weight_decay=0.01)),
     ]
 }
 
@@ -123,4 +155,5 @@ NOT_TRANSFORMS = {
     "ScaleByMuonState", "ScheduleFreeState", "ScaleBySophiaState",
     "make_step", "make_update", "functional_model", "functional_ensemble",
     "stochastic_round", "quantize_blockwise", "dequantize_blockwise", "QuantizedTensor", "CompensatedUpdatesState",
+    "ScaleByAdemamixState", "mup_lr_multipliers",
 }

@@ -339,3 +339,27 @@ def test_resume_changes_apply_or_refuse_naming_the_field():
         with pytest.raises(ConfigError) as e:
             resume_changes(saved, apply_overrides(msgspec.convert(saved, TrainConfig), [change]), 500)
         assert e.value.field == field
+
+
+def test_ademamix_cautious_adamw_and_mup_adamw_build_from_their_names():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)).double()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    base = {k: [d // 2 if d == 8 else d for d in v.shape] for k, v in params.items()}
+    cases = {
+        "ademamix": (["optimizer.kwargs.b3=0.99", "optimizer.kwargs.alpha=2.0"], ps.ademamix(1e-2, b3=0.99, alpha=2.0)),
+        "cautious_adamw": (["optimizer.kwargs.rescale=mean"], ps.cautious_adamw(1e-2, rescale="mean")),
+        "mup_adamw": ([f"optimizer.kwargs.base_shapes={json.dumps(base)}"], ps.mup_adamw(1e-2, base_shapes=base)),
+    }
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    for name, (overrides, theirs) in cases.items():
+        cfg = apply_overrides(TrainConfig(), [f"optimizer.name={name}", "optimizer.lr=0.01", "optimizer.clip_grad_norm=none",
+                                                 *overrides])
+        ours = cfg.build_optimizer()
+        u1, _ = ours.update(grads, ours.init(params), params)
+        u2, _ = theirs.update(grads, theirs.init(params), params)
+        for k in params:
+            torch.testing.assert_close(u1[k], u2[k], rtol=1e-12, atol=0, msg=f"{name}: {k}")
+    # Names are checked against the params when they first meet, at the first update.
+    opt = apply_overrides(TrainConfig(), ["optimizer.name=mup_adamw", 'optimizer.kwargs.base_shapes={"x": [1]}']).build_optimizer()
+    with pytest.raises(ValueError, match="base_shapes has no entry for leaf '0.weight'"):
+        opt.update(grads, opt.init(params), params)

@@ -558,3 +558,29 @@ def test_compiled_adapter_matches_torch_adamw_and_its_state_loads_into_torch():
     for i, entry in ref.state_dict()["state"].items():
         for name, value in entry.items():
             torch.testing.assert_close(sd["state"][i][name], value, rtol=1e-12, atol=1e-15)
+
+
+def test_ademamix_cautious_and_mup_factories_run_in_the_adapter_as_their_transforms():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)).double()
+    base = {k: tuple(d // 2 if d == 8 else d for d in p.shape) for k, p in model.named_parameters()}
+    x = torch.randn(16, 4, dtype=torch.float64)
+    for factory, kwargs in [(ps.ademamix, dict(lr=1e-2, b3=0.99)), (ps.cautious_adamw, dict(lr=1e-2)),
+                            (ps.mup_adamw, dict(lr=1e-2, base_shapes=base))]:
+        net = copy.deepcopy(model)
+        opt = Optimizer(net.named_parameters(), factory, **kwargs)
+        pure, params = factory(**kwargs), {k: p.detach().clone() for k, p in model.named_parameters()}
+        state = pure.init(params)
+        for _ in range(5):
+            opt.zero_grad()
+            net(x).pow(2).mean().backward()
+            grads = {k: p.grad.clone() for k, p in net.named_parameters()}
+            opt.step()
+            updates, state = pure.update(grads, state, params)
+            params = ps.apply_updates(params, updates)
+        for k, p in net.named_parameters():
+            torch.testing.assert_close(p.detach(), params[k], rtol=1e-10, atol=1e-12, msg=f"{factory.__name__}: {k}")
+    ademamix = Optimizer(model.named_parameters(), ps.ademamix, lr=1e-2)
+    model(x).pow(2).mean().backward()
+    ademamix.step()
+    assert {"exp_avg_fast", "exp_avg_slow", "exp_avg_sq"} <= set(ademamix.state_dict()["state"][0])

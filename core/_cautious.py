@@ -8,8 +8,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import _flat
-from . import _lists as ls
+from . import _layout as lay
 from . import _tree as tr
 from ._base import OptState, Params, ScalarOrSchedule, Transform, check_betas, check_hyperparam, check_nonnegative
 from ._combine import chain
@@ -78,16 +77,16 @@ def cautious(transform: Transform, *, before_lr: bool = False, rescale: str = "c
         return transform.init(params)
 
     def update(grads, state, params=None, **extra):
-        _flat.need_whole_leaves(grads, stacks=True)  # per-leaf counts: same-shape leaves stacked
+        lay.whole_leaves(grads, stacks=True)  # per-leaf counts: same-shape leaves stacked
         updates, state = transform.update(grads, state, params, **extra)
         us, spec = pytree.tree_flatten(updates)
         gs = tr.check_match(grads, updates, "grads", "updates", dtype=False)
-        stacked = _flat.stacked_leaves(grads)
+        shapes = lay.global_shapes(grads)  # a stack member's shape for a stack
         keeps = [(u * g.to(u.dtype) > 0) if before_lr else (u * g.to(u.dtype) < 0) for u, g in zip(us, gs)]
-        kept = ls.member_sums(keeps, stacked)  # per leaf, or per member of a stack: (k, 1, ...)
+        kept = lay.leaf_sums(grads, keeps)  # per leaf or stack member ((k, 1, ...)); over shards, whole leaves
         out = []
-        for u, keep, n, stack in zip(us, keeps, kept, stacked):
-            factor = _rescale(n, u[0].numel() if stack else u.numel(), rescale).to(u.dtype)
+        for u, keep, n, shape in zip(us, keeps, kept, shapes):
+            factor = _rescale(n, shape.numel(), rescale).to(u.dtype)
             out.append(u * (keep.to(u.dtype) * factor))  # a NaN in u stays NaN, as in C-Optim
         return pytree.tree_unflatten(out, spec), state
 

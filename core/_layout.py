@@ -81,7 +81,8 @@ def global_shapes(tree: Any) -> list[torch.Size]:
     spec = getattr(tree, "pack_spec", None)
     if spec is None:
         return [x.shape for x in pytree.tree_leaves(tree)]
-    full = spec.shard.full_shape if spec.shard is not None else (lambda m: m.shape)
+    # Whole shapes over active shards; the leaves' own while a layout is planned on stand-ins.
+    full = spec.shard.full_shape if _shard(tree) is not None else (lambda m: m.shape)
     return [full(g.members[0]) if (len(g.members) == 1 or g.is_stack) else torch.Size([g.numel]) for g in spec.groups]
 
 
@@ -134,6 +135,26 @@ def leaf_norms(tree: Any, *lists: Sequence[Tensor]) -> list[Tensor] | list[list[
             norms.append(n.reshape((k,) + (1,) * (x.dim() - 1)).to(x.dtype) if s else n.reshape(()).to(x.dtype))
         out.append(norms)
     return out[0] if len(lists) == 1 else out
+
+
+def leaf_sums(tree: Any, xs: Sequence[Tensor]) -> list[Tensor]:
+    """Σx of each leaf of `tree` (`xs` shaped like its leaves) in float64, 0-d; a stack gives
+    its members' sums shaped (k, 1, ...). Over shards, the sums of whole leaves (one collective)."""
+    flags = stacked(tree)
+    shard = _shard(tree)
+    if shard is None:
+        return ls.member_sums(list(xs), flags)
+    parts = [
+        torch.sum(x, dim=tuple(range(1, x.dim())), dtype=torch.float64) if s else torch.sum(x, dtype=torch.float64).reshape(1)
+        for x, s in zip(xs, flags)
+    ]
+    total = shard.all_reduce(torch.cat(parts) * shard.member_weights(tree.pack_spec, torch.float64, xs[0].device))
+    out, at = [], 0
+    for x, s in zip(xs, flags):
+        k = x.shape[0] if s else 1
+        out.append(total[at : at + k].reshape((k,) + (1,) * (x.dim() - 1)) if s else total[at].reshape(()))
+        at += k
+    return out
 
 
 def map_matrices(tree: Any, fn: Callable[[list[Tensor], list[bool]], list[Tensor]], xs: Sequence[Tensor]) -> list[Tensor]:

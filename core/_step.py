@@ -151,6 +151,8 @@ def _copy_into(dst_tree: PyTree, src_tree: PyTree, what: str) -> None:
             torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
         else:
             for d, s in pairs:
+                if _sharded.is_dtensor(d) and _sharded.is_dtensor(s) and d.placements != s.placements:
+                    s = s.redistribute(d.device_mesh, d.placements)  # a reduction's Partial result
                 d.copy_(s)
 
 

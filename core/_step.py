@@ -151,8 +151,8 @@ def _copy_into(dst_tree: PyTree, src_tree: PyTree, what: str) -> None:
             torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
         else:
             for d, s in pairs:
-                if _sharded.is_dtensor(d) and _sharded.is_dtensor(s) and d.placements != s.placements:
-                    s = s.redistribute(d.device_mesh, d.placements)  # a reduction's Partial result
+                if _sharded.is_dtensor(s):  # a reduction's result may be Partial, or a DTensor for a plain leaf
+                    s = s.redistribute(d.device_mesh, d.placements) if _sharded.is_dtensor(d) else s.full_tensor()
                 d.copy_(s)
 
 

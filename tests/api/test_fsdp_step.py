@@ -27,4 +27,5 @@ def test_sharded_update_on_two_fsdp2_ranks_equals_one_process():
         ["adamw+clip+skip", "compile=False"], ["adamw+clip+skip", "compile=True"],
         ["muon_adamw", "compile=False"], ["muon_adamw", "compile=True"],
         ["lamb", "compile=False"], ["adaptive_clip", "compile=False"], ["cautious_adamw", "compile=False"],
+        ["per-leaf-DTensor", "compile=False"],
     ], out.stdout

@@ -93,6 +93,9 @@ def _local_gpu(dev: torch.device, local_rank: int) -> torch.device:
 
 def teardown(world: World) -> None:
     if world.distributed and dist.is_initialized():
+        # Every rank leaves together: a gloo rank that tears down while its peer still
+        # finishes (rank 0 writing the last checkpoint) can abort at exit.
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -343,6 +343,7 @@ def main() -> None:
             tag = "-compiled" if args.compile and "trainer" in args.parts else ""
             path = RESULTS / f"{datetime.date.today()}-fsdp-{args.size}{tag}-cpu.md" if args.out == "auto" else Path(args.out)
             path.write_text(text + "\n")
+    dist.barrier()  # no rank leaves while another still talks to it (gloo aborts at exit otherwise)
     dist.destroy_process_group()
 
 

@@ -90,6 +90,7 @@ def main() -> None:
     worst = run("adamw+clip+skip", False, flat=False)
     if dist.get_rank() == 0:
         print(f"ok per-leaf-DTensor compile=False max_err={worst:.2e}", flush=True)
+    dist.barrier()  # no rank leaves while another still talks to it (gloo aborts at exit otherwise)
     dist.destroy_process_group()
 
 

@@ -124,14 +124,27 @@ def as_float64(value: float | Tensor, device: torch.device) -> Tensor:
     return torch.tensor(value, dtype=torch.float64, device=device)
 
 
-@torch.library.custom_op("purestep::once", mutates_args=())
-def _once(x: Tensor) -> Tensor:
-    return x.clone()
+def _define_once() -> Any:
+    """The `purestep::once` operator, defined on first import only: a second copy of this
+    module (pytest's doctest collection imports `core/` under another name) must not
+    redefine it, which would unregister the kernels the first copy's compiled code calls."""
+    try:
+        return torch.ops.purestep.once.default
+    except (AttributeError, RuntimeError):
+        pass
+
+    @torch.library.custom_op("purestep::once", mutates_args=())
+    def op(x: Tensor) -> Tensor:
+        return x.clone()
+
+    @op.register_fake
+    def _(x: Tensor) -> Tensor:
+        return torch.empty_like(x)
+
+    return op
 
 
-@_once.register_fake
-def _(x: Tensor) -> Tensor:
-    return torch.empty_like(x)
+_once = _define_once()
 
 
 def once(x: Tensor) -> Tensor:

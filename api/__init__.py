@@ -1,7 +1,6 @@
 """purestep.api: the thin stateful layer (Optimizer adapter, Trainer, checkpoints, config, CLI)."""
 
 from .checkpoint import Checkpoint as Checkpoint
-from .checkpoint import CheckpointError as CheckpointError
 from .checkpoint import CheckpointManager as CheckpointManager
 from .checkpoint import Manifest as Manifest
 from .checkpoint import checkpoint_dir as checkpoint_dir
@@ -9,7 +8,6 @@ from .checkpoint import latest_checkpoint as latest_checkpoint
 from .checkpoint import load_checkpoint as load_checkpoint
 from .checkpoint import read_manifest as read_manifest
 from .checkpoint import save_checkpoint as save_checkpoint
-from .config import ConfigError as ConfigError
 from .config import DataConfig as DataConfig
 from .config import ModelConfig as ModelConfig
 from .config import OptimizerConfig as OptimizerConfig
@@ -17,7 +15,9 @@ from .config import ScheduleConfig as ScheduleConfig
 from .config import TrainConfig as TrainConfig
 from .config import apply_overrides as apply_overrides
 from .config import load_config as load_config
-from ._report import RunDirError as RunDirError
+from .errors import CheckpointError as CheckpointError
+from .errors import ConfigError as ConfigError
+from .errors import RunDirError as RunDirError
 from .optimizer import Optimizer as Optimizer
 from .trainer import Trainer as Trainer
 

@@ -9,13 +9,16 @@ succeed), never by reading the message.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 import purestep.core as ps
 
-from .config import ConfigError, OptimizerConfig, ScheduleConfig
+from .errors import ConfigError
+
+if TYPE_CHECKING:  # the config module builds through this one
+    from .config import OptimizerConfig, ScheduleConfig
 
 Argument = tuple[str, Any, str]  # (keyword, value, config field)
 

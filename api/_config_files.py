@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from .config import ConfigError
+from .errors import ConfigError
 
 MAX_YAML_NODES = 100_000
 

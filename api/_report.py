@@ -10,9 +10,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-
-class RunDirError(ValueError):
-    """A run directory that cannot be used as asked (holds another run, nothing to resume, a damaged metrics file)."""
+from . import distributed as D
+from .errors import RunDirError
 
 
 def log(message: str) -> None:
@@ -146,8 +145,6 @@ class StopSignals:
         if not log_due:
             return False
         import torch
-
-        from . import distributed as D
 
         flag = torch.tensor(float(self.signum is not None), device=world.device)
         return float(D.all_reduce_sum(flag, world)) > 0

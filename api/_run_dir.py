@@ -18,9 +18,10 @@ import torch.utils._pytree as pytree
 import purestep.core as ps
 
 from . import distributed as D
-from ._report import RunDirError, log
+from ._report import log
 from .checkpoint import Checkpoint, checkpoint_dir, read_manifest
-from .config import ConfigError, resume_changes
+from .config import resume_changes
+from .errors import ConfigError, RunDirError
 
 
 def save(t: Any) -> Path | None:

@@ -19,13 +19,12 @@ from typing import Any, Sequence
 import torch
 
 from . import checkpoint as ckpt
-from ._report import RunDirError, read_metrics
-from .config import ConfigError, DataConfig, ModelConfig, OptimizerConfig, ScheduleConfig, TrainConfig, apply_overrides
+from ._report import read_metrics
+from .config import DataConfig, ModelConfig, OptimizerConfig, ScheduleConfig, TrainConfig, apply_overrides
 from .config import load_config
-
-
-class UsageError(ValueError):
-    """A command-line mistake (missing run directory, nothing to plot...)."""
+from .data import decode, encode
+from .errors import CheckpointError, ConfigError, RunDirError, UsageError
+from .trainer import Trainer
 
 
 def demo_config() -> TrainConfig:
@@ -51,14 +50,10 @@ def demo_config() -> TrainConfig:
 
 def build_trainer(cfg: TrainConfig, out: Path | None, *, progress: bool) -> Any:
     """The `Trainer` of `cfg`: model, data and transform built from its sections."""
-    from .trainer import Trainer
-
     return Trainer(config=cfg, out=out, progress=progress)
 
 
 def _sample(trainer: Any, prompt: str = "def ", n: int = 160) -> str:
-    from .data import decode, encode
-
     model = trainer.module
     gen = torch.Generator().manual_seed(0)
     model.eval()
@@ -155,7 +150,7 @@ def inspect_checkpoint(path: Path) -> int:
         try:
             ckpt.verify_file(path / filename, entry)
             status = "sha256 ok"
-        except ckpt.CheckpointError as e:
+        except CheckpointError as e:
             status, bad = f"DAMAGED: {e}", bad + 1
         print(f"file       {filename:24s} {entry.size:>12,d} bytes  {status}")
         if status != "sha256 ok":
@@ -238,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         # program killed by SIGPIPE does, and keep the interpreter from flushing into the pipe.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 128 + signal.SIGPIPE
-    except (ConfigError, UsageError, RunDirError, ckpt.CheckpointError) as e:
+    except (ConfigError, UsageError, RunDirError, CheckpointError) as e:
         print(f"purestep: error: {e}", file=sys.stderr)
         code = 2
     except OSError as e:  # disk full, a read-only directory...: the path and the reason

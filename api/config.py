@@ -18,22 +18,13 @@ from msgspec import Meta
 
 import purestep.core as ps
 
+from ._build import build_optimizer, build_schedule
+from ._config_files import read_config_file
+from .errors import ConfigError as ConfigError
+
 PositiveInt = Annotated[int, Meta(ge=1)]
 NonNegativeInt = Annotated[int, Meta(ge=0)]
 NonNegativeFloat = Annotated[float, Meta(ge=0)]
-
-
-class ConfigError(ValueError):
-    """A config that cannot be used: `field` is the dotted path of the bad field ("" for
-    the whole file), `source` the file or `--set` override the value came from."""
-
-    def __init__(self, field: str, message: str, source: str | None = None) -> None:
-        self.field, self.message, self.source = field, message, source
-        super().__init__(": ".join(part for part in (source, field, message) if part))
-
-    def at(self, source: str) -> "ConfigError":
-        """The same error, said to come from `source`."""
-        return ConfigError(self.field, self.message, source)
 
 
 class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -179,8 +170,6 @@ class TrainConfig(_Section):
 
     def build_schedule(self) -> Any:
         """The lr: `optimizer.lr`, or a `ps.*_schedule` of it as the schedule section says."""
-        from ._build import build_schedule
-
         return build_schedule(self.schedule, self.optimizer.lr, self.steps)
 
     def build_optimizer(self) -> ps.Transform:
@@ -189,8 +178,6 @@ class TrainConfig(_Section):
         Built with `ps.inject_hyperparams`, the schedule inside: the lr of the last update
         is `ps.get_hyperparams(state)["lr"]`, and `Optimizer` param groups expose it.
         """
-        from ._build import build_optimizer
-
         return build_optimizer(self.optimizer, self.build_schedule())
 
 
@@ -323,8 +310,6 @@ def load_config(path: str | Path, overrides: Iterable[str] = ()) -> TrainConfig:
 
     Raises `ConfigError` naming the field and its source: the file, or the override.
     """
-    from ._config_files import read_config_file
-
     return apply_overrides(_convert(read_config_file(Path(path)), str(path)), overrides)
 
 

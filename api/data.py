@@ -29,6 +29,8 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor
 
+from .errors import ConfigError
+
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__", "lib2to3"}
 
 
@@ -172,8 +174,6 @@ def eval_batches(source: Any, n: int, rank: int, world: int) -> list[Any]:
 
 def build_data(config: Any) -> ByteCorpus:
     """The corpus the `data` section describes (`config` is a `TrainConfig`)."""
-    from .config import ConfigError
-
     d = config.data
     max_bytes = d.max_bytes or 1 << 40
     if d.kwargs:
@@ -213,8 +213,6 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 def check_rows(micro: list[Any], world: int, batch_size: int) -> bool:
     """A `ConfigError` naming `batch_size` unless the micro-batches of a step, on every rank, hold that many rows."""
-    from .config import ConfigError
-
     rows = next(t for t in torch.utils._pytree.tree_leaves(micro[0]) if isinstance(t, Tensor)).shape[0]
     given = rows * len(micro) * world
     if given != batch_size:

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .errors import ConfigError
+
 
 def rope_tables(seq_len: int, head_dim: int, base: float = 10_000.0) -> tuple[Tensor, Tensor]:
     """cos and sin tables, each (seq_len, head_dim // 2)."""
@@ -151,8 +153,6 @@ def lm_loss(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]
 
 def build_model(section: Any) -> GPT:
     """The GPT the `model` section of a `TrainConfig` describes."""
-    from .config import ConfigError
-
     if section.name != "gpt":
         raise ConfigError("model.name", f"{section.name!r} is not a model purestep builds ('gpt'); pass model= to the Trainer")
     if section.vocab_size < 256:

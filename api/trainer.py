@@ -34,8 +34,10 @@ from . import _run_dir as run_dir
 from . import distributed as D
 from ._report import MetricsFile, Progress, StopSignals, log
 from .checkpoint import CheckpointManager
-from .config import ConfigError, TrainConfig, refuse_ignored
+from .config import TrainConfig, refuse_ignored
+from .errors import ConfigError
 from .data import build_data, check_rows, eval_batches, is_step_indexed, to_device, train_batches
+from .models import build_model, lm_loss, peak_flops
 
 
 def _nodes(tree: Any, cls: type) -> list[Any]:
@@ -89,8 +91,6 @@ class Trainer:
                  loss_fn: Callable[[nn.Module, Any], Any] | None = None, config: TrainConfig | None = None, *,
                  data: Any = None, eval_data: Any = None, out: str | Path | None = None, ema: Any = None,
                  progress: bool | None = None, device: str | None = None) -> None:
-        from .models import build_model, lm_loss, peak_flops
-
         self.config = cfg = config if config is not None else TrainConfig()
         refuse_ignored(cfg, {"transform": transform, "model": model, "data": data, "ema": ema})
         if loss_fn is None and model is not None:

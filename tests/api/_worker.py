@@ -125,7 +125,7 @@ def checkpoint_drill(out: Path) -> None:
     # A save that fails on rank 1 only fails on every rank, and publishes nothing.
     manager = CheckpointManager(out / "dcp", keep_last=5, world=world, distributed=True)
     if world.rank == 1:
-        import purestep.api._layout_dcp as layout
+        import purestep.api.checkpoint._dcp as layout
 
         def broken(*args, **kwargs):
             raise OSError(28, "No space left on device")

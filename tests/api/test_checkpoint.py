@@ -20,7 +20,7 @@ from purestep.api import (
     read_manifest,
     save_checkpoint,
 )
-from purestep.api._ckpt_format import encode_manifest
+from purestep.api.checkpoint._format import encode_manifest
 from purestep.api.checkpoint import FileEntry, load_distributed
 
 

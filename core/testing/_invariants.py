@@ -12,7 +12,7 @@ from torch import Tensor
 
 import purestep.core as ps
 
-from ._strategies import Example, _brief, _Options
+from ._strategies import Example, Options, brief
 
 class InvariantError(AssertionError):
     """An invariant that a transform or schedule broke; the message starts with its name."""
@@ -27,7 +27,7 @@ class InvariantError(AssertionError):
 # --------------------------------------------------------------------------- #
 
 
-def _clone(tree: Any) -> Any:
+def clone_tree(tree: Any) -> Any:
     return pytree.tree_map(lambda x: x.detach().clone() if isinstance(x, Tensor) else x, tree)
 
 
@@ -35,13 +35,13 @@ def _bits(x: Tensor) -> Tensor:
     return x.detach().reshape(-1).contiguous().view(torch.uint8)
 
 
-def _same(a: Any, b: Any) -> bool:
+def same_bits(a: Any, b: Any) -> bool:
     if isinstance(a, Tensor) and isinstance(b, Tensor):
         return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
     return type(a) is type(b) and a == b
 
 
-def _first_difference(a: Any, b: Any, same: Callable[[Any, Any], bool] = _same) -> str | None:
+def first_difference(a: Any, b: Any, same: Callable[[Any, Any], bool] = same_bits) -> str | None:
     """The dotted path of the first leaf where `a` and `b` differ (bitwise, or as `same`
     says; '<structure>' if the trees differ)."""
     pa, sa = ps.tree_flatten_with_path(a)
@@ -54,11 +54,11 @@ def _first_difference(a: Any, b: Any, same: Callable[[Any, Any], bool] = _same) 
     return None
 
 
-def _where(step: int, kind: str) -> str:
+def where_in_run(step: int, kind: str) -> str:
     return f"at step {step} ({'all-zero' if kind == 'zeros' else kind} grads)"
 
 
-def _call(what: str, fn: Callable, *args, **kwargs):
+def call_checked(what: str, fn: Callable, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
     except AssertionError:
@@ -67,7 +67,7 @@ def _call(what: str, fn: Callable, *args, **kwargs):
         raise InvariantError("no_exception", f"{what} raised {type(error).__name__}: {error}") from error
 
 
-def _wrap(name: str, run: Callable[[], None]) -> None:
+def run_reporting(name: str, run: Callable[[], None]) -> None:
     """Run a hypothesis test; re-raise its failure with the counterexample in the message."""
     try:
         run()
@@ -86,7 +86,7 @@ def _wrap(name: str, run: Callable[[], None]) -> None:
         ) from error
 
 
-def _settings(max_examples: int | None) -> hypothesis.settings:
+def kit_settings(max_examples: int | None) -> hypothesis.settings:
     current = hypothesis.settings()
     n = max_examples if max_examples is not None else min(current.max_examples, 25)
     return hypothesis.settings(
@@ -101,20 +101,20 @@ def _settings(max_examples: int | None) -> hypothesis.settings:
     )
 
 
-def _name(factory: Any) -> str:
+def name_of(factory: Any) -> str:
     name = getattr(factory, "__qualname__", None) or repr(factory)
     code = getattr(factory, "__code__", None)
     return f"{name} ({code.co_filename}:{code.co_firstlineno})" if code is not None else name
 
 
-def _factory(factory: Callable[..., ps.Transform] | ps.Transform) -> Callable[..., ps.Transform]:
+def as_factory(factory: Callable[..., ps.Transform] | ps.Transform) -> Callable[..., ps.Transform]:
     if isinstance(factory, ps.Transform):
         return lambda **hp: factory
     return factory
 
 
-def _make(factory: Callable[..., ps.Transform], ex: Example) -> ps.Transform:
-    t = _call("the factory", factory, **ex.hyperparams)
+def make_transform(factory: Callable[..., ps.Transform], ex: Example) -> ps.Transform:
+    t = call_checked("the factory", factory, **ex.hyperparams)
     if not isinstance(t, ps.Transform):
         raise InvariantError("no_exception", f"the factory returned {type(t).__name__}, not a ps.Transform")
     return t
@@ -133,10 +133,10 @@ def _is_float(x: Any) -> bool:
     return isinstance(x, Tensor) and (torch.is_floating_point(x) or torch.is_complex(x))
 
 
-def _trajectory(
+def trajectory(
     t: ps.Transform,
     ex: Example,
-    opts: _Options,
+    opts: Options,
     checks: Iterable[str] = (),
     *,
     grads: list | None = None,
@@ -148,9 +148,9 @@ def _trajectory(
     grads = ex.grads if grads is None else grads
     current = ex.params
     p0 = params(0, current) if params is not None else current
-    snapshot = _clone(p0)
-    state = _call("init", t.init, p0)
-    if "purity" in checks and (where := _first_difference(p0, snapshot)):
+    snapshot = clone_tree(p0)
+    state = call_checked("init", t.init, p0)
+    if "purity" in checks and (where := first_difference(p0, snapshot)):
         raise InvariantError("purity", f"init mutated its params input at leaf '{where}'")
     init_spec = ps.tree_flatten_with_path(state)
     if "state_stability" in checks:
@@ -165,12 +165,12 @@ def _trajectory(
     for k, (g, extra) in enumerate(zip(grads, ex.extras)):
         kind = ex.grad_kinds[k][0]
         p = (params(k, current) if params is not None else current) if opts.needs_params else None
-        before = _clone((g, state, p, extra)) if "purity" in checks else None
-        u, new_state = _call(f"update {_where(k, kind)}", t.update, g, state, p, **extra)
+        before = clone_tree((g, state, p, extra)) if "purity" in checks else None
+        u, new_state = call_checked(f"update {where_in_run(k, kind)}", t.update, g, state, p, **extra)
         if before is not None:
             for label, now, then in zip(("grads", "state", "params", "extra keywords"), (g, state, p, extra), before):
-                if where := _first_difference(now, then):
-                    raise InvariantError("purity", f"update mutated its {label} input at leaf '{where}' {_where(k, kind)}")
+                if where := first_difference(now, then):
+                    raise InvariantError("purity", f"update mutated its {label} input at leaf '{where}' {where_in_run(k, kind)}")
         if "state_stability" in checks:
             _check_state(new_state, init_spec, k, kind)
         if "update_structure" in checks:
@@ -180,14 +180,14 @@ def _trajectory(
                 for path, leaf in ps.tree_flatten_with_path(tree)[0]:
                     if _is_float(leaf) and not bool(torch.isfinite(_widened(leaf)).all()):
                         raise InvariantError(
-                            "finite_outputs", f"{label} leaf '{path}' is not finite {_where(k, kind)}: {_brief(leaf)}"
+                            "finite_outputs", f"{label} leaf '{path}' is not finite {where_in_run(k, kind)}: {brief(leaf)}"
                         )
         updates_seq.append(u)
         states.append(new_state)
         params_seq.append(p)
         state = new_state
         if opts.needs_params:
-            current = _call("ps.apply_updates", ps.apply_updates, current, u)
+            current = call_checked("ps.apply_updates", ps.apply_updates, current, u)
     return updates_seq, states, params_seq
 
 
@@ -197,13 +197,13 @@ def _check_updates(u: Any, g: Any, k: int, kind: str) -> None:
     if spec != want_spec:
         raise InvariantError(
             "update_structure",
-            f"updates have leaves {[p for p, _ in got]} but grads/params have {[p for p, _ in want]} {_where(k, kind)}",
+            f"updates have leaves {[p for p, _ in got]} but grads/params have {[p for p, _ in want]} {where_in_run(k, kind)}",
         )
     for (path, x), (_, y) in zip(got, want):
         if not isinstance(x, Tensor) or x.shape != y.shape or x.dtype != y.dtype or x.device != y.device:
-            what = _brief(x) if isinstance(x, Tensor) else type(x).__name__
+            what = brief(x) if isinstance(x, Tensor) else type(x).__name__
             raise InvariantError(
-                "update_structure", f"update leaf '{path}' is {what} but its param is {_brief(y)} {_where(k, kind)}"
+                "update_structure", f"update leaf '{path}' is {what} but its param is {brief(y)} {where_in_run(k, kind)}"
             )
 
 
@@ -213,26 +213,26 @@ def _check_state(state: Any, init_spec: tuple, k: int, kind: str) -> None:
     if spec != want_spec:
         raise InvariantError(
             "state_stability",
-            f"state structure changed {_where(k, kind)}: leaves {[p for p, _ in got]} after init's {[p for p, _ in want]}",
+            f"state structure changed {where_in_run(k, kind)}: leaves {[p for p, _ in got]} after init's {[p for p, _ in want]}",
         )
     for (path, x), (_, y) in zip(got, want):
         if not isinstance(x, Tensor):
-            raise InvariantError("state_stability", f"state leaf '{path}' became {type(x).__name__} {_where(k, kind)}")
+            raise InvariantError("state_stability", f"state leaf '{path}' became {type(x).__name__} {where_in_run(k, kind)}")
         if x.shape != y.shape or x.dtype != y.dtype or x.device != y.device:
             raise InvariantError(
                 "state_stability",
-                f"state leaf '{path}' changed from {_brief(y)} at init to {_brief(x)} {_where(k, kind)}",
+                f"state leaf '{path}' changed from {brief(y)} at init to {brief(x)} {where_in_run(k, kind)}",
             )
 
 
-def _compare_runs(invariant: str, what: str, ref: Sequence, got: Sequence, label: str) -> None:
+def compare_runs(invariant: str, what: str, ref: Sequence, got: Sequence, label: str) -> None:
     for k, (a, b) in enumerate(zip(ref, got)):
-        if where := _first_difference(a, b):
+        if where := first_difference(a, b):
             raise InvariantError(invariant, f"{what}: {label} differ at step {k}, leaf '{where}'")
 
 
 
-def _float64(ex: Example) -> Example:
+def in_float64(ex: Example) -> Example:
     cast = lambda tree: ps.tree_cast(tree, torch.float64)  # noqa: E731
     return ex.replace(
         params=cast(ex.params), grads=[cast(g) for g in ex.grads], extras=[cast(e) for e in ex.extras]

@@ -22,7 +22,8 @@ import safetensors
 import torch
 from torch import Tensor
 
-from ._ckpt_format import CheckpointError, reason, unwrap
+from ..errors import CheckpointError
+from ._format import reason, unwrap
 
 
 class Chunk(NamedTuple):

@@ -23,6 +23,8 @@ import safetensors.torch
 import torch
 from torch import Tensor
 
+from ..errors import CheckpointError
+
 MANIFEST = "manifest.json"
 FORMAT = 1
 GROUPS = ("params", "opt_state", "ema")  # the trees a checkpoint holds, in this order
@@ -39,16 +41,6 @@ DTYPES = {  # safetensors' dtype codes
     "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, incomplete, corrupted or does not fit what it is loaded into.
-
-    The message is one line and starts with the path at fault.
-    """
-
-    def __init__(self, message: str) -> None:
-        super().__init__(" ".join(str(message).split()))
 
 
 class FileEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -22,21 +22,21 @@ _MAGNITUDE = {"normal": 1.0, "zeros": 0.0, "huge": 1e10, "tiny": 1e-10}
 # --------------------------------------------------------------------------- #
 
 
-def _tensor(shape: Sequence[int], dtype: torch.dtype, magnitude: float, seed: int, device: Any = "cpu") -> Tensor:
+def seeded_tensor(shape: Sequence[int], dtype: torch.dtype, magnitude: float, seed: int, device: Any = "cpu") -> Tensor:
     gen = torch.Generator().manual_seed(seed)  # drawn on the CPU: the same values on every device
     return (torch.randn(tuple(shape), generator=gen, dtype=torch.float64) * magnitude).to(device=device, dtype=dtype)
 
 
-def _grads_like(params: dict[str, Tensor], kind: str, seed: int, *, nonnegative: bool = False) -> dict[str, Tensor]:
+def grads_like(params: dict[str, Tensor], kind: str, seed: int, *, nonnegative: bool = False) -> dict[str, Tensor]:
     out = {}
     for i, (name, p) in enumerate(params.items()):
         leaf_kind = ("normal", "zeros", "huge", "tiny")[(seed + i) % 4] if kind == "mixed" else kind
-        g = _tensor(p.shape, p.dtype, _MAGNITUDE[leaf_kind], seed * 1009 + i, p.device)
+        g = seeded_tensor(p.shape, p.dtype, _MAGNITUDE[leaf_kind], seed * 1009 + i, p.device)
         out[name] = g.abs() if nonnegative else g
     return out
 
 
-def _brief(t: Tensor) -> str:
+def brief(t: Tensor) -> str:
     name = str(t.dtype).replace("torch.", "")
     text = f"{name}{list(t.shape)}"
     if t.numel() <= 3:
@@ -61,7 +61,7 @@ class Example:
         return Example(**fields)
 
     def __repr__(self) -> str:
-        params = "{" + ", ".join(f"{k!r}: {_brief(v)}" for k, v in self.params.items()) + "}"
+        params = "{" + ", ".join(f"{k!r}: {brief(v)}" for k, v in self.params.items()) + "}"
         grads = ", ".join(k if k == "zeros" else f"{k}(seed={s})" for k, s in self.grad_kinds)
         extra = "".join(f"; step {i} extra {sorted(e)}" for i, e in enumerate(self.extras) if e)
         hp = f"; hyperparams {self.hyperparams}" if self.hyperparams else ""
@@ -85,7 +85,7 @@ def _layouts(min_leaves, max_leaves, min_rank, max_rank, max_side, dtypes):
 
 def _build_params(layout, seed: int, zero: bool, device: Any = "cpu") -> dict[str, Tensor]:
     return {
-        f"p{i}": _tensor(shape, dtype, 0.0 if zero else 1.0, seed + i, device) for i, (shape, dtype) in enumerate(layout)
+        f"p{i}": seeded_tensor(shape, dtype, 0.0 if zero else 1.0, seed + i, device) for i, (shape, dtype) in enumerate(layout)
     }
 
 
@@ -125,18 +125,18 @@ def grad_trees(params: dict[str, Tensor], kinds: Iterable[str] = GRAD_KINDS) -> 
     unknown = set(kinds) - set(GRAD_KINDS)
     if unknown:
         raise ValueError(f"kinds has unknown entries {sorted(unknown)}; choose from {GRAD_KINDS}")
-    return st.builds(lambda kind, seed: _grads_like(params, kind, seed), st.sampled_from(kinds), _seeds)
+    return st.builds(lambda kind, seed: grads_like(params, kind, seed), st.sampled_from(kinds), _seeds)
 
 
-def _log_uniform(lo: float, hi: float) -> st.SearchStrategy[float]:
+def log_uniform(lo: float, hi: float) -> st.SearchStrategy[float]:
     return st.floats(math.log(lo), math.log(hi)).map(math.exp)
 
 
 _HYPERPARAMS: dict[str, Callable[[], st.SearchStrategy]] = {
-    "lr": lambda: _log_uniform(1e-4, 1.0),
+    "lr": lambda: log_uniform(1e-4, 1.0),
     "weight_decay": lambda: st.floats(0.0, 0.2),
     "momentum": lambda: st.floats(0.0, 0.99),
-    "eps": lambda: _log_uniform(1e-10, 1e-6),
+    "eps": lambda: log_uniform(1e-10, 1e-6),
     "betas": lambda: st.tuples(st.floats(0.0, 0.99), st.floats(0.9, 0.9999)),
 }
 
@@ -163,7 +163,7 @@ def hyperparams(*names: str, **strategies: st.SearchStrategy) -> st.SearchStrate
 
 
 @dataclasses.dataclass(frozen=True)
-class _Options:
+class Options:
     steps: int = 3
     needs_params: bool = True
     matrices_only: bool = False
@@ -176,21 +176,21 @@ class _Options:
     device: Any = "cpu"
 
 
-def _example(opts: _Options, layout, param_seed: int, kinds: list, with_extra: Callable[[int], bool], hp: dict) -> Example:
+def _example(opts: Options, layout, param_seed: int, kinds: list, with_extra: Callable[[int], bool], hp: dict) -> Example:
     params = _build_params(layout, param_seed, zero=False, device=opts.device)
-    grads = [_grads_like(params, k, s) for k, s in kinds]
+    grads = [grads_like(params, k, s) for k, s in kinds]
     extras = []
     for i in range(len(kinds)):
         extra = dict(opts.extra or {})
         for name in opts.grad_like_extra:
             if with_extra(i):
-                extra[name] = _grads_like(params, "normal", 7919 + 31 * i + kinds[i][1], nonnegative=True)
+                extra[name] = grads_like(params, "normal", 7919 + 31 * i + kinds[i][1], nonnegative=True)
         extras.append(extra)
     return Example(params, param_seed, grads, kinds, extras, hp)
 
 
 @st.composite
-def _examples(draw, opts: _Options) -> Example:
+def _examples(draw, opts: Options) -> Example:
     layout = draw(_layouts(1, opts.max_leaves, 2 if opts.matrices_only else 0, 4, 3, opts.dtypes))
     param_seed = draw(_seeds)
     kinds = draw(st.lists(st.tuples(st.sampled_from(opts.kinds), _seeds), min_size=1, max_size=opts.steps))
@@ -199,7 +199,7 @@ def _examples(draw, opts: _Options) -> Example:
     return _example(opts, layout, param_seed, kinds, lambda i: flags[i], hp)
 
 
-def _edge_examples(opts: _Options) -> list[Example]:
+def _edge_examples(opts: Options) -> list[Example]:
     """One small leaf, one step of each grad kind: tried first, whatever hypothesis draws.
 
     Hypothesis's derandomized draws differ between its versions and even between runs
@@ -213,7 +213,7 @@ def _edge_examples(opts: _Options) -> list[Example]:
     return [_example(opts, layout, 0, [(k, 0)], lambda i: True, {}) for k in kinds]
 
 
-def _given(opts: _Options, *more: st.SearchStrategy) -> Callable:
+def given_examples(opts: Options, *more: st.SearchStrategy) -> Callable:
     """`hypothesis.given(examples, *more)` with the edge examples tried first."""
 
     def decorate(test: Callable) -> Callable:

@@ -27,14 +27,15 @@ from torch import Tensor
 
 import purestep.core as ps
 
-from . import _ckpt_dirs as dirs
-from . import _layout_dcp, _layout_files
-from . import distributed as D
-from ._ckpt_format import GROUPS, MANIFEST, CheckpointError, Manifest, encode_manifest, fsync_dir, read_manifest
-from ._ckpt_format import read_tensors, reason, unwrap, verify_file, write_bytes, write_tensors
-from ._ckpt_reader import Whole, assemble, read_into
+from . import _dirs as dirs
+from . import _dcp, _files
+from .. import distributed as D
+from ..errors import CheckpointError
+from ._format import GROUPS, MANIFEST, Manifest, encode_manifest, fsync_dir, read_manifest
+from ._format import read_tensors, reason, unwrap, verify_file, write_bytes, write_tensors
+from ._reader import Whole, assemble, read_into
 
-_LAYOUT = {"files": _layout_files, "dcp": _layout_dcp}
+_LAYOUT = {"files": _files, "dcp": _dcp}
 ONE = D.World(0, 1, 0, torch.device("cpu"), "single")  # this process alone, whatever process group exists
 
 

@@ -38,15 +38,15 @@ except ImportError as error:  # pragma: no cover - exercised only without hypoth
         "purestep.core.testing needs hypothesis: pip install hypothesis (or purestep[test])"
     ) from error
 
-from ._strategies import FLOAT_DTYPES, GRAD_KINDS, Example, _given, _grads_like, _log_uniform, _Options, _tensor
+from ._strategies import FLOAT_DTYPES, GRAD_KINDS, Example, Options, given_examples, grads_like, log_uniform, seeded_tensor
 from ._strategies import grad_trees as grad_trees
 from ._strategies import hyperparams as hyperparams
 from ._strategies import param_trees as param_trees
-from ._base import affine_of, apply_of
-from ._combine import apply_in_place
+from .._base import affine_of, apply_of
+from .._combine import apply_in_place
 from ._invariants import InvariantError as InvariantError
-from ._invariants import _call, _clone, _compare_runs, _factory, _first_difference, _float64, _make, _name, _same, _settings
-from ._invariants import _trajectory, _where, _wrap
+from ._invariants import as_factory, call_checked, clone_tree, compare_runs, first_difference, in_float64, kit_settings
+from ._invariants import make_transform, name_of, run_reporting, same_bits, trajectory, where_in_run
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -146,25 +146,25 @@ def check_transform(
         >>> from purestep.core.testing import check_transform
         >>> check_transform(lambda: ps.sgd(0.1, momentum=0.9), max_examples=5)
     """
-    factory = _factory(factory)
+    factory = as_factory(factory)
     checks = tuple(checks)
     unknown = set(checks) - set(DEFAULT_CHECKS)
     if unknown:
         raise ValueError(f"checks has unknown entries {sorted(unknown)}; choose from {DEFAULT_CHECKS}")
-    opts = _Options(
+    opts = Options(
         steps, needs_params, matrices_only, tuple(dtypes), tuple(grad_kinds), tuple(grad_like_extra), extra, hyperparams,
         device=torch.device(device),
     )
 
-    @_given(opts)
-    @_settings(max_examples)
+    @given_examples(opts)
+    @kit_settings(max_examples)
     def run(ex: Example) -> None:
-        t = _make(factory, ex)
-        ups, states, params = _trajectory(t, ex, opts, checks)
+        t = make_transform(factory, ex)
+        ups, states, params = trajectory(t, ex, opts, checks)
         if "determinism" in checks:
-            ups2, states2, _ = _trajectory(_make(factory, ex), ex, opts)
-            _compare_runs("determinism", "a fresh instance on the same inputs", ups, ups2, "updates")
-            _compare_runs("determinism", "a fresh instance on the same inputs", states, states2, "states")
+            ups2, states2, _ = trajectory(make_transform(factory, ex), ex, opts)
+            compare_runs("determinism", "a fresh instance on the same inputs", ups, ups2, "updates")
+            compare_runs("determinism", "a fresh instance on the same inputs", states, states2, "states")
         if "replay" in checks:
             _check_replay(t, ex, opts, ups, states, params)
         if "composition" in checks:
@@ -172,34 +172,34 @@ def check_transform(
         if "in_place" in checks:
             _check_in_place(t, ex, opts, ups, states, params)
 
-    _wrap(_name(factory), run)
+    run_reporting(name_of(factory), run)
     if reference is not None:
         _check_reference(factory, reference, opts, max_examples)
     if compile:
         _check_no_recompile(factory, opts)
 
 
-def _check_replay(t: ps.Transform, ex: Example, opts: _Options, ups: list, states: list, params: list) -> None:
+def _check_replay(t: ps.Transform, ex: Example, opts: Options, ups: list, states: list, params: list) -> None:
     """The same instance again: from init over the whole example, then each step from its
     recorded input state. A transform whose output depends on anything but its inputs
     (a counter in a closure, a cache) gives different bits the second time."""
     hint = "state kept outside the returned state (a counter or cache in a closure?)"
     what = f"the same instance, replayed from init on the same inputs ({hint})"
-    ups2, states2, _ = _trajectory(t, ex, opts)
-    _compare_runs("replay", what, ups, ups2, "updates")
-    _compare_runs("replay", what, states, states2, "states")
+    ups2, states2, _ = trajectory(t, ex, opts)
+    compare_runs("replay", what, ups, ups2, "updates")
+    compare_runs("replay", what, states, states2, "states")
     for k in range(1, len(ups)):
-        where = _where(k, ex.grad_kinds[k][0])
-        u, s = _call(f"update {where}", t.update, ex.grads[k], states[k - 1], params[k], **ex.extras[k])
+        where = where_in_run(k, ex.grad_kinds[k][0])
+        u, s = call_checked(f"update {where}", t.update, ex.grads[k], states[k - 1], params[k], **ex.extras[k])
         for label, a, b in (("updates", ups[k], u), ("state", states[k], s)):
-            if leaf := _first_difference(a, b):
+            if leaf := first_difference(a, b):
                 raise InvariantError(
                     "replay",
                     f"the same instance, given step {k}'s inputs again, returned different {label} at leaf '{leaf}' ({hint})",
                 )
 
 
-def _check_in_place(t: ps.Transform, ex: Example, opts: _Options, ups: list, states: list, params: list) -> None:
+def _check_in_place(t: ps.Transform, ex: Example, opts: Options, ups: list, states: list, params: list) -> None:
     """The in-place forms of `t.update` (`ps.with_in_place`: affine, apply_) against
     `update`: `chain(t)` folds an affine `t` into its apply and hands the rest to `t`'s
     apply_, as `make_update(..., donate=True)` does."""
@@ -207,14 +207,14 @@ def _check_in_place(t: ps.Transform, ex: Example, opts: _Options, ups: list, sta
         return  # nothing beyond `update` to check; `apply_` takes no extra keywords
     wrapped = ps.chain(t)
     for k, u in enumerate(ups):
-        where = _where(k, ex.grad_kinds[k][0])
+        where = where_in_run(k, ex.grad_kinds[k][0])
         target = params[k] if opts.needs_params else ex.params
         state_in = states[k - 1] if k else t.init(params[0] if opts.needs_params else ex.params)
-        p, s = _clone(target), _clone((state_in,))
+        p, s = clone_tree(target), clone_tree((state_in,))
         with torch.no_grad():
-            s = _call(f"the in-place apply {where}", apply_in_place, wrapped, ex.grads[k], s, p)[0]
+            s = call_checked(f"the in-place apply {where}", apply_in_place, wrapped, ex.grads[k], s, p)[0]
         for label, want, got in (("params", ps.apply_updates(target, u), p), ("state", states[k], s)):
-            if leaf := _first_difference(want, got, _close):
+            if leaf := first_difference(want, got, _close):
                 raise InvariantError(
                     "in_place", f"the in-place apply (affine/apply_) {where} gave other {label} than update at leaf '{leaf}'"
                 )
@@ -225,10 +225,10 @@ def _close(x: Any, y: Any) -> bool:
     if isinstance(x, Tensor) and x.is_floating_point() and x.dtype in TOLERANCES:
         rtol, atol = TOLERANCES[x.dtype]
         return x.dtype == y.dtype and torch.allclose(x.double(), y.double(), rtol=rtol, atol=atol, equal_nan=True)
-    return _same(x, y)
+    return same_bits(x, y)
 
 
-def _check_composition(factory, ex: Example, opts: _Options, ups: list, states: list) -> None:
+def _check_composition(factory, ex: Example, opts: Options, ups: list, states: list) -> None:
     variants = {
         "chain(identity(), t)": (lambda t: ps.chain(ps.identity(), t), lambda s: s[1]),
         "chain(t, identity())": (lambda t: ps.chain(t, ps.identity()), lambda s: s[0]),
@@ -238,33 +238,33 @@ def _check_composition(factory, ex: Example, opts: _Options, ups: list, states: 
         ),
     }
     for label, (wrap, inner) in variants.items():
-        got, got_states, _ = _trajectory(wrap(_make(factory, ex)), ex, opts)
-        _compare_runs("composition", f"{label} vs t", ups, got, "updates")
+        got, got_states, _ = trajectory(wrap(make_transform(factory, ex)), ex, opts)
+        compare_runs("composition", f"{label} vs t", ups, got, "updates")
         if "masked" not in label:
-            _compare_runs("composition", f"{label} vs t", states, [inner(s) for s in got_states], "states")
+            compare_runs("composition", f"{label} vs t", states, [inner(s) for s in got_states], "states")
         else:  # the masked inner state is keyed by flat paths: compare leaf by leaf
             for k, (a, b) in enumerate(zip(states, got_states)):
                 la, lb = pytree.tree_leaves(a), pytree.tree_leaves(inner(b))
-                if len(la) != len(lb) or not all(_same(x, y) for x, y in zip(la, lb)):
+                if len(la) != len(lb) or not all(same_bits(x, y) for x, y in zip(la, lb)):
                     raise InvariantError("composition", f"{label} vs t: states differ at step {k}")
 
 
-def _check_reference(factory, reference, opts: _Options, max_examples: int | None) -> None:
+def _check_reference(factory, reference, opts: Options, max_examples: int | None) -> None:
     rtol, atol = TOLERANCES[torch.float64]
 
-    @_given(opts)
-    @_settings(max_examples)
+    @given_examples(opts)
+    @kit_settings(max_examples)
     def run(ex: Example) -> None:
-        ex = _float64(ex)
-        ups, _, _ = _trajectory(_make(factory, ex), ex, opts)
+        ex = in_float64(ex)
+        ups, _, _ = trajectory(make_transform(factory, ex), ex, opts)
         ref = {k: v.clone().requires_grad_(True) for k, v in ex.params.items()}
-        opt = _call("the reference", reference, list(ref.values()), **ex.hyperparams)
+        opt = call_checked("the reference", reference, list(ref.values()), **ex.hyperparams)
         params = ex.params
         for k, (u, g) in enumerate(zip(ups, ex.grads)):
             params = ps.apply_updates(params, u)
             for name, p in ref.items():
                 p.grad = g[name].clone()
-            _call("the reference's step", opt.step)
+            call_checked("the reference's step", opt.step)
             for name, p in ref.items():
                 want = p.detach()
                 if not torch.allclose(params[name], want, rtol=rtol, atol=atol):
@@ -275,10 +275,10 @@ def _check_reference(factory, reference, opts: _Options, max_examples: int | Non
                         f"by {err:.3g} (float64, rtol={rtol}, atol={atol})",
                     )
 
-    _wrap(_name(factory), run)
+    run_reporting(name_of(factory), run)
 
 
-def _check_no_recompile(factory, opts: _Options) -> None:
+def _check_no_recompile(factory, opts: Options) -> None:
     """A few steps of a compiled `update + apply_updates` with changing grads, counts and
     injected hyperparameters must compile once. A recompile is retried once from a fresh
     compile, so only a reproducible one fails."""
@@ -288,7 +288,7 @@ def _check_no_recompile(factory, opts: _Options) -> None:
     def extra_for(params: dict, k: int) -> dict:
         extra = dict(opts.extra or {})
         for name in opts.grad_like_extra:
-            extra[name] = _grads_like(params, "normal", 100 + k, nonnegative=True)
+            extra[name] = grads_like(params, "normal", 100 + k, nonnegative=True)
         return extra
 
     def step(params, state, grads, extra):
@@ -296,18 +296,18 @@ def _check_no_recompile(factory, opts: _Options) -> None:
         return ps.apply_updates(params, updates), state
 
     def attempt() -> None:
-        params = {f"p{i}": _tensor(s, torch.float32, 1.0, i, opts.device) for i, s in enumerate(shapes)}
+        params = {f"p{i}": seeded_tensor(s, torch.float32, 1.0, i, opts.device) for i, s in enumerate(shapes)}
         torch._dynamo.reset()  # one code object serves every call of this check
         compiled = torch.compile(step, fullgraph=True)
         state = t.init(params)
         try:
-            params, state = compiled(params, state, _grads_like(params, "normal", 0), extra_for(params, 0))
+            params, state = compiled(params, state, grads_like(params, "normal", 0), extra_for(params, 0))
         except Exception as error:
             raise InvariantError("no_recompile", f"the step does not compile with fullgraph=True: {error}") from error
         for k in range(1, 4):
             for key, value in ps.get_hyperparams(state).items():
                 state = ps.set_hyperparam(state, key, pytree.tree_map(lambda v: v * 0.5, value))
-            args = (params, state, _grads_like(params, "normal", k), extra_for(params, k))
+            args = (params, state, grads_like(params, "normal", k), extra_for(params, k))
             try:
                 if hasattr(torch.compiler, "set_stance"):
                     with torch.compiler.set_stance("fail_on_recompile"):
@@ -335,24 +335,24 @@ def _check_no_recompile(factory, opts: _Options) -> None:
 def _property(
     name: str,
     factory,
-    body: Callable[[Callable[[], ps.Transform], Example, _Options], None],
-    opts: _Options,
+    body: Callable[[Callable[[], ps.Transform], Example, Options], None],
+    opts: Options,
     max_examples: int | None,
 ) -> None:
-    factory = _factory(factory)
+    factory = as_factory(factory)
 
-    @_given(opts)
-    @_settings(max_examples)
+    @given_examples(opts)
+    @kit_settings(max_examples)
     def run(ex: Example) -> None:
-        ex = _float64(ex)
-        body(lambda: _make(factory, ex), ex, opts)
+        ex = in_float64(ex)
+        body(lambda: make_transform(factory, ex), ex, opts)
 
-    _wrap(_name(factory), run)
+    run_reporting(name_of(factory), run)
 
 
-def _opts(kw: dict, **override) -> _Options:
+def _opts(kw: dict, **override) -> Options:
     kw = {**kw, **override}
-    return _Options(
+    return Options(
         steps=kw.get("steps", 3),
         needs_params=kw.get("needs_params", True),
         matrices_only=kw.get("matrices_only", False),
@@ -382,9 +382,9 @@ def check_decoupled_decay(
         >>> check_decoupled_decay(lambda: ps.adamw(0.1, weight_decay=0.1), coefficient=-0.01, max_examples=5)
     """
 
-    def body(make, ex: Example, opts: _Options) -> None:
-        ups, _, params = _trajectory(make(), ex, opts)
-        zero, _, _ = _trajectory(make(), ex, opts, params=lambda k, p: ps.tree_zeros_like(p))
+    def body(make, ex: Example, opts: Options) -> None:
+        ups, _, params = trajectory(make(), ex, opts)
+        zero, _, _ = trajectory(make(), ex, opts, params=lambda k, p: ps.tree_zeros_like(p))
         seen = False
         for k, (u, u0, p) in enumerate(zip(ups, zero, params)):
             coefs = {}
@@ -447,17 +447,17 @@ def check_scale_invariance(
     """
     opts = _opts(kw, grad_kinds=("normal", "zeros"))
 
-    @_given(opts, _log_uniform(*scales))
-    @_settings(max_examples)
+    @given_examples(opts, log_uniform(*scales))
+    @kit_settings(max_examples)
     def run(ex: Example, c: float) -> None:
-        ex = _float64(ex)
+        ex = in_float64(ex)
         # Bounded away from zero, so eps never dominates an element.
         grads = [{k: torch.sign(v) * (0.1 + v.abs()) if v.any() else v for k, v in g.items()} for g in ex.grads]
         ex = ex.replace(grads=grads)
-        f = _factory(factory)
-        ups, _, params = _trajectory(_make(f, ex), ex, opts)
-        scaled, _, _ = _trajectory(
-            _make(f, ex), ex, opts, grads=[{k: v * c for k, v in g.items()} for g in grads],
+        f = as_factory(factory)
+        ups, _, params = trajectory(make_transform(f, ex), ex, opts)
+        scaled, _, _ = trajectory(
+            make_transform(f, ex), ex, opts, grads=[{k: v * c for k, v in g.items()} for g in grads],
             params=(lambda k, p: params[k]) if opts.needs_params else None,
         )
         top = max((v.abs().max().item() for u in ups for v in u.values()), default=0.0)
@@ -471,7 +471,7 @@ def check_scale_invariance(
                         f"(largest update {top:.3g})",
                     )
 
-    _wrap(_name(factory), run)
+    run_reporting(name_of(factory), run)
 
 
 def check_bounded_updates(
@@ -487,8 +487,8 @@ def check_bounded_updates(
         >>> check_bounded_updates(lambda: ps.lion(1e-3, weight_decay=0.1), bound=1e-3, max_examples=5)
     """
 
-    def body(make, ex: Example, opts: _Options) -> None:
-        ups, _, _ = _trajectory(make(), ex, opts, params=lambda k, p: ps.tree_zeros_like(p))
+    def body(make, ex: Example, opts: Options) -> None:
+        ups, _, _ = trajectory(make(), ex, opts, params=lambda k, p: ps.tree_zeros_like(p))
         for k, u in enumerate(ups):
             for path, v in ps.tree_flatten_with_path(u)[0]:
                 if bool((v.abs() > bound * (1 + 1e-9)).any()):
@@ -533,8 +533,8 @@ def check_schedule(
     """
     values = []
     for k in range(steps + 1):
-        at_int = _call(f"schedule({k})", schedule, k)
-        at_tensor = _call(f"schedule(tensor({k}.))", schedule, torch.tensor(float(k), dtype=torch.float64))
+        at_int = call_checked(f"schedule({k})", schedule, k)
+        at_tensor = call_checked(f"schedule(tensor({k}.))", schedule, torch.tensor(float(k), dtype=torch.float64))
         if not isinstance(at_tensor, Tensor) or at_tensor.dim() != 0:
             raise InvariantError(
                 "tensor_steps", f"schedule(tensor({k}.)) returned {at_tensor!r}, not a 0-d tensor (compile-safe)"

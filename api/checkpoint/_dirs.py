@@ -20,7 +20,8 @@ import shutil
 import uuid
 from pathlib import Path
 
-from ._ckpt_format import MANIFEST, CheckpointError, fsync_dir, read_manifest
+from ..errors import CheckpointError
+from ._format import MANIFEST, fsync_dir, read_manifest
 
 _HIDDEN = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old|del)-[0-9a-f]{12}")
 

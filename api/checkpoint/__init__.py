@@ -3,15 +3,15 @@
     manifest.json           step, config, data position, versions, layout, sha256 + size of every
                             file, and a sha256 of the manifest itself
     rng.safetensors         RNG states as uint8 tensors (torch CPU, each CUDA device)
-    + the layout's files:   "files" (`_layout_files`): params / opt_state / ema .safetensors, whole
-                            "dcp" (`_layout_dcp`): torch.distributed.checkpoint shards, one set per rank
+    + the layout's files:   "files" (`_files`): params / opt_state / ema .safetensors, whole
+                            "dcp" (`_dcp`): torch.distributed.checkpoint shards, one set per rank
 
 Either layout loads whole in one process (`load_checkpoint`) and into trees sharded for
 any world size (`load_distributed`, `CheckpointManager.load`). Only the files the
 manifest lists and seals are read, never through a symlink or outside the directory;
 every file's size and sha256 are checked before any is loaded. A save builds the
 directory under a hidden temporary name and publishes it with one rename
-(`_ckpt_dirs`): a crash at any point leaves the earlier checkpoints loadable, and the
+(`_dirs`): a crash at any point leaves the earlier checkpoints loadable, and the
 next save removes what it left. No pickle is used anywhere.
 
 `CheckpointManager` is the policy a training loop needs on top: a run's checkpoints
@@ -28,18 +28,18 @@ from typing import Any
 
 import torch
 
-from . import _ckpt_dirs as dirs
-from . import _ckpt_io as store
-from . import distributed as D
-from ._ckpt_format import MANIFEST as MANIFEST
-from ._ckpt_format import CheckpointError as CheckpointError
-from ._ckpt_format import FileEntry as FileEntry
-from ._ckpt_format import Manifest as Manifest
-from ._ckpt_format import read_header as read_header  # with verify_file: how `purestep inspect` reads files
-from ._ckpt_format import read_manifest as read_manifest
-from ._ckpt_format import verify_file as verify_file
-from ._ckpt_io import Checkpoint as Checkpoint
-from ._ckpt_io import verify_checkpoint as verify_checkpoint
+from . import _dirs as dirs
+from . import _io as store
+from .. import distributed as D
+from ..errors import CheckpointError as CheckpointError
+from ._format import MANIFEST as MANIFEST
+from ._format import FileEntry as FileEntry
+from ._format import Manifest as Manifest
+from ._format import read_header as read_header  # with verify_file: how `purestep inspect` reads files
+from ._format import read_manifest as read_manifest
+from ._format import verify_file as verify_file
+from ._io import Checkpoint as Checkpoint
+from ._io import verify_checkpoint as verify_checkpoint
 
 __all__ = ["Checkpoint", "CheckpointError", "CheckpointManager", "Manifest", "checkpoint_dir", "latest_checkpoint",
            "load_checkpoint", "load_distributed", "read_manifest", "save_checkpoint", "verify_checkpoint"]

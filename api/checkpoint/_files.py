@@ -14,9 +14,9 @@ from pathlib import Path
 
 from torch import Tensor
 
-from . import distributed as D
-from ._ckpt_format import DTYPES, GROUPS, FileEntry, Manifest, read_header, write_tensors
-from ._ckpt_reader import Chunk
+from .. import distributed as D
+from ._format import DTYPES, GROUPS, FileEntry, Manifest, read_header, write_tensors
+from ._reader import Chunk
 
 NAME = "files"
 

@@ -15,9 +15,10 @@ from pathlib import Path
 
 from torch import Tensor
 
-from . import distributed as D
-from ._ckpt_format import DTYPES, GROUPS, CheckpointError, FileEntry, Manifest, hash_and_fsync, read_header
-from ._ckpt_reader import Chunk, quiet_dcp
+from .. import distributed as D
+from ..errors import CheckpointError
+from ._format import DTYPES, GROUPS, FileEntry, Manifest, hash_and_fsync, read_header
+from ._reader import Chunk, quiet_dcp
 
 NAME = "dcp"
 _SHARDING = "DCP_SHARDING_INFO"  # the header entry where DCP's safetensors writer keeps each shard's offsets

@@ -69,11 +69,12 @@ def _take_hyperparams(t: Any) -> None:
 
 
 def open_run(t: Any, resume: bool) -> bool:
-    """Prepare `t.out` for training, resuming if asked; False when there is nothing left to train."""
+    """Hold `t.out` and prepare it for training, resuming if asked; False when there is nothing left to train."""
     if t.out is None:
         if t.config.checkpoint_every:
             raise ConfigError("checkpoint_every", "checkpoints need a run directory: pass out=")
         return True
+    t.checkpoints.hold()  # before reading anything: a second writer is refused here
     latest = t.checkpoints.latest()
     held = latest is not None or (t.out / "metrics.jsonl").exists()
     if held and not resume:
@@ -81,18 +82,25 @@ def open_run(t: Any, resume: bool) -> bool:
     if resume and held:
         manifest = read_manifest(latest) if latest is not None else None
         changes = resume_changes(manifest and manifest.config, t.config, manifest.step if manifest else 0)
-        if restore(t) is None:
-            raise RunDirError(f"{t.out}: no checkpoint that loads; nothing to resume")
-        _take_hyperparams(t)
-        if t.world.main:
-            log(f"resumed from {checkpoint_dir(t.out, t.step)} at step {t.step}")
-            for message in changes:
-                log(f"resume: {message}")
+        if latest is None and not t.checkpoints.has_candidates():
+            # Killed before its first checkpoint (metrics only): start over, as Lightning's ckpt_path="last" does.
+            if t.world.main:
+                log(f"warning: {t.out} holds no checkpoint (the run stopped before its first); "
+                    "starting from step 0, its metrics.jsonl is rewritten")
+        elif restore(t) is None:
+            raise RunDirError(f"{t.out}: no checkpoint in {t.out / 'checkpoints'} loads (see the warnings above); "
+                              "move the damaged ones aside to start over from step 0, or pass a new --out")
+        else:
+            _take_hyperparams(t)
+            if t.world.main:
+                log(f"resumed from {checkpoint_dir(t.out, t.step)} at step {t.step}")
+                for message in changes:
+                    log(f"resume: {message}")
+                if t.finished():
+                    log(f"nothing to do: the run finished at step {t.step} (steps={t.config.steps}); "
+                        "pass a larger --steps to train on")
             if t.finished():
-                log(f"nothing to do: the run finished at step {t.step} (steps={t.config.steps}); "
-                    "pass a larger --steps to train on")
-        if t.finished():
-            return False
+                return False
     D.barrier(t.world)
     if t.world.main:
         t.out.mkdir(parents=True, exist_ok=True)

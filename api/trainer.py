@@ -204,10 +204,15 @@ class Trainer:
         """Consume the batch of `self.step` and apply one update; returns device tensors, never syncs.
 
         Reads the loss on the host only when spike detection is on (`spike_factor > 0`).
+        Called on its own (before or without `fit`), it opens the data at `self.step` and
+        writes nothing to the run directory: no metrics, no checkpoints.
         """
         if any(a <= self.step < b for a, b in self.skip):
             self.step, self.skipped = self.step + 1, self.skipped + 1
             return {"event": "skip_rewound_batch"}
+        if self.batches is None:  # called before fit(): the data opens at this step
+            w = self.world
+            self.batches = train_batches(self.data, self.step, w.rank, w.size, self.config.grad_accum)
         micro = next(self.batches)
         if not self.rows_checked:
             self.rows_checked = check_rows(micro, self.world.size, self.config.batch_size)
@@ -340,7 +345,18 @@ class Trainer:
         A checkpoint is written every `checkpoint_every` steps and at the end. SIGTERM or
         Ctrl-C stops the run after the current step with a checkpoint, then raises
         `SystemExit(128 + signal)` (no traceback); `fit(resume=True)` continues it.
+
+        The run directory is held for the call (an OS lock, see `CheckpointManager.hold`):
+        another process writing to it, fresh or resuming, gets a `RunDirError` naming
+        the holder, and so does this one while another holds it.
         """
+        try:
+            return self._fit(resume)
+        finally:
+            if self.checkpoints is not None:
+                self.checkpoints.release()  # the run directory is this run's until it returns
+
+    def _fit(self, resume: bool) -> dict[str, Any]:
         cfg = self.config
         if not run_dir.open_run(self, resume):
             return dict(self.last, step=self.step)
@@ -399,5 +415,7 @@ class Trainer:
         raise SystemExit(128 + signum)
 
     def close(self) -> None:
-        """Leave the process group (under torchrun)."""
+        """Let go of the run directory and leave the process group (under torchrun)."""
+        if self.checkpoints is not None:
+            self.checkpoints.release()
         D.teardown(self.world)

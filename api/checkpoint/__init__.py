@@ -32,6 +32,8 @@ from . import _dirs as dirs
 from . import _io as store
 from .. import distributed as D
 from ..errors import CheckpointError as CheckpointError
+from ..errors import RunDirError
+from ._lock import RunLock
 from ._format import MANIFEST as MANIFEST
 from ._format import FileEntry as FileEntry
 from ._format import Manifest as Manifest
@@ -213,14 +215,42 @@ class CheckpointManager:
         self.keep_last, self.distributed = keep_last, distributed
         self.world = world if world is not None else D.current_world()
         self._good: dict[Path, str] = {}  # checkpoints known to verify: path -> manifest checksum
+        self._lock, self._holding = RunLock(self.run_dir), False
+
+    def hold(self) -> None:
+        """Hold the run directory for this run (collective; rank 0 takes the lock).
+
+        `save` and `cleanup` do it first; a `Trainer` does it before it reads or writes
+        anything. Raises `RunDirError` on every rank, naming the holder (pid, host, since
+        when), while another process holds it; held until `release` or this process ends.
+        """
+        if self._holding:  # on every rank alike: the broadcast below is a collective
+            return
+        error = None
+        if self.world.main:
+            try:
+                self._lock.acquire()
+            except RunDirError as e:
+                error = str(e)
+        error = D.broadcast_object(error, self.world)
+        if error is not None:
+            raise RunDirError(error)
+        self._holding = True
+
+    def release(self) -> None:
+        """Let go of the run directory (another run may then write to it)."""
+        self._lock.release()
+        self._holding = False
 
     def save(self, step: int, *, params: Any, opt_state: Any = None, ema: Any = None, config: Any = None,
              data_state: Any = None, metadata: dict[str, Any] | None = None) -> Path | None:
         """Write the checkpoint of `step` (every rank calls); its path on rank 0, None elsewhere.
 
         Crashed saves' leftovers are removed first. Raises `CheckpointError` (one line
-        naming the path) on every rank when the checkpoint cannot be written.
+        naming the path) on every rank when the checkpoint cannot be written, and
+        `RunDirError` when another process holds the run directory (see `hold`).
         """
+        self.hold()
         path = store.save(checkpoint_dir(self.run_dir, step), (params, opt_state, ema), step=step, world=self.world,
                           layout="dcp" if self.distributed else "files", extras=(config, metadata, data_state), rng=True,
                           keep_last=self.keep_last, is_good=self._is_good)
@@ -232,6 +262,10 @@ class CheckpointManager:
     def latest(self) -> Path | None:
         """The newest complete, sealed checkpoint of the run (its files are not read)."""
         return _sealed(self.folder)
+
+    def has_candidates(self) -> bool:
+        """Whether the run holds any checkpoint directory, loadable or not."""
+        return bool(dirs.candidates(self.folder))
 
     def load(self, path: str | os.PathLike, *, params_like: Any, opt_state_like: Any = None,
              ema_like: Any = None) -> Checkpoint:
@@ -262,7 +296,11 @@ class CheckpointManager:
         return None
 
     def cleanup(self) -> None:
-        """Remove the temporaries crashed saves left (every `save` does this first); rank 0 works, all wait."""
+        """Remove the temporaries crashed saves left (every `save` does this first); rank 0 works, all wait.
+
+        Holds the run directory first, so a live writer's temporaries are never touched.
+        """
+        self.hold()
         if self.world.main:
             dirs.cleanup(self.folder)
         D.barrier(self.world)

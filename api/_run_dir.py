@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.utils._pytree as pytree
+from torch import Tensor
 
 import purestep.core as ps
 
@@ -24,15 +25,46 @@ from .config import resume_changes
 from .errors import ConfigError, RunDirError
 
 
+class LoopState:
+    """Where a run stands between steps: what a checkpoint saves besides the params, the
+    optimizer state and the EMA, as plain data (`state_dict` / `load_state_dict`, the
+    pattern of torchtitan's `TrainState`). The Trainer reads and writes these fields only.
+
+    Fields: `step` (batches consumed), `elapsed` (seconds trained, agreed over the ranks),
+    `skipped` (steps skipped on the host: loss spikes and rewound batches), `tokens` (a
+    0-d device tensor: counted every step without a sync), `recent` (the last losses, for
+    spike detection), `spikes` (consecutive spikes), `skip` ([start, stop) batch ranges
+    skipped after a rewind).
+    """
+
+    def __init__(self, tokens: Tensor, spike_window: int) -> None:
+        self.step, self.elapsed, self.skipped, self.spikes = 0, 0.0, 0, 0
+        self.tokens = tokens
+        self.recent: collections.deque = collections.deque(maxlen=spike_window)
+        self.skip: list[list[int]] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        """The fields as JSON-able data (reads `tokens` from the device: call between steps)."""
+        return {"step": self.step, "tokens": int(self.tokens), "elapsed": self.elapsed, "recent": list(self.recent),
+                "spikes": self.spikes, "skip": [list(r) for r in self.skip], "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The fields from `state_dict()`'s data; a field it lacks (an older checkpoint) starts afresh."""
+        self.step, self.elapsed = int(state.get("step", 0)), float(state.get("elapsed", 0.0))
+        self.tokens.fill_(state.get("tokens", 0))
+        self.spikes, self.skipped = int(state.get("spikes", 0)), int(state.get("skipped", 0))
+        self.skip = [list(r) for r in state.get("skip", [])]
+        self.recent = collections.deque(state.get("recent", []), maxlen=self.recent.maxlen)
+
+
 def save(t: Any) -> Path | None:
     """Write the checkpoint of `t.step` (collective); the path on the main rank."""
     if t.checkpoints is None:
         return None
-    state = {"tokens": int(t.tokens), "elapsed": t.elapsed, "recent": list(t.recent), "spikes": t.spikes,
-             "skip": t.skip, "skipped": t.skipped}
     path = t.checkpoints.save(
         t.step, params=t.params(), opt_state=t.opt_state, ema=t.ema, config=t.config,
-        data_state={"step": t.step, "seed": t.config.seed}, metadata={"trainer": state, "world_size": t.world.size},
+        data_state={"step": t.step, "seed": t.config.seed},
+        metadata={"trainer": t.loop.state_dict(), "world_size": t.world.size},
     )
     t.saved_at = t.step
     return path
@@ -49,11 +81,8 @@ def restore(t: Any) -> Checkpoint | None:
     D.copy_into_(t.opt_state, c.opt_state)
     if t.ema is not None:
         D.copy_into_(t.ema, c.ema)
-    loop = c.manifest.metadata.get("trainer", {})
-    t.step, t.saved_at, t.elapsed = c.step, c.step, loop.get("elapsed", 0.0)
-    t.tokens.fill_(loop.get("tokens", 0))
-    t.spikes, t.skip, t.skipped = loop.get("spikes", 0), loop.get("skip", []), loop.get("skipped", 0)
-    t.recent = collections.deque(loop.get("recent", []), maxlen=t.config.spike_window)
+    t.loop.load_state_dict({**c.manifest.metadata.get("trainer", {}), "step": c.step})
+    t.saved_at = c.step
     t.nonfinite_logged = int(t.nonfinite())
     if t.world.size == c.manifest.metadata.get("world_size", 1):
         c.restore_rng()

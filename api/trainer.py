@@ -18,7 +18,6 @@ skip count are read from the device only when a log line is due. Everything else
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import time
 from pathlib import Path
@@ -139,15 +138,32 @@ class Trainer:
         flops = getattr(D.unwrap(self.module), "flops_per_token", None)
         self.flops_per_token = flops() if callable(flops) else None
         self.peak_flops = peak_flops(self.world.device)
-        # The loop's position: batches consumed (steps), time trained, and what was skipped on the host.
-        self.step, self.elapsed, self.skipped, self.saved_at = 0, 0.0, 0, None
-        self.tokens = torch.zeros((), dtype=torch.float64, device=self.world.device)
-        self.recent: collections.deque = collections.deque(maxlen=cfg.spike_window)
-        self.spikes, self.nonfinite_logged = 0, 0
-        self.skip: list[list[int]] = []  # [start, stop) ranges of batches skipped after a rewind
+        # Where the run stands, saved with every checkpoint; the rest is this process's own.
+        self.loop = run_dir.LoopState(torch.zeros((), dtype=torch.float64, device=self.world.device), cfg.spike_window)
+        self.saved_at: int | None = None
+        self.nonfinite_logged = 0
         self.last: dict[str, Any] = {}
         self.batches: Any = None
         self.rows_checked = False
+
+    # ------------------------------------------------------------------ #
+    # Where the run stands (`self.loop`, a `LoopState`).
+    # ------------------------------------------------------------------ #
+
+    @property
+    def step(self) -> int:
+        """Batches consumed so far (updates applied plus steps skipped)."""
+        return self.loop.step
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds trained so far (agreed over the ranks; what `time_budget` counts)."""
+        return self.loop.elapsed
+
+    @property
+    def skip(self) -> list[list[int]]:
+        """The [start, stop) batch ranges skipped after a rewind."""
+        return self.loop.skip
 
     # ------------------------------------------------------------------ #
     # The pieces of a step.
@@ -190,8 +206,8 @@ class Trainer:
         return [s.count for s in _nodes(self.opt_state, ps.InjectHyperparamsState)]
 
     def _progress(self) -> float:
-        done, budget = self.step / self.config.steps, self.config.time_budget
-        return max(done, self.elapsed / budget) if budget else done
+        done, budget = self.loop.step / self.config.steps, self.config.time_budget
+        return max(done, self.loop.elapsed / budget) if budget else done
 
     def _grad_norm(self) -> Tensor | None:
         return _nodes(self.opt_state, ps.ClipByGlobalNormState)[0].norm if self.clipped else None
@@ -201,18 +217,18 @@ class Trainer:
     # ------------------------------------------------------------------ #
 
     def train_step(self) -> dict[str, Any]:
-        """Consume the batch of `self.step` and apply one update; returns device tensors, never syncs.
+        """Consume the batch of `self.loop.step` and apply one update; returns device tensors, never syncs.
 
         Reads the loss on the host only when spike detection is on (`spike_factor > 0`).
-        Called on its own (before or without `fit`), it opens the data at `self.step` and
+        Called on its own (before or without `fit`), it opens the data at `self.loop.step` and
         writes nothing to the run directory: no metrics, no checkpoints.
         """
-        if any(a <= self.step < b for a, b in self.skip):
-            self.step, self.skipped = self.step + 1, self.skipped + 1
+        if any(a <= self.loop.step < b for a, b in self.loop.skip):
+            self.loop.step, self.loop.skipped = self.loop.step + 1, self.loop.skipped + 1
             return {"event": "skip_rewound_batch"}
         if self.batches is None:  # called before fit(): the data opens at this step
             w = self.world
-            self.batches = train_batches(self.data, self.step, w.rank, w.size, self.config.grad_accum)
+            self.batches = train_batches(self.data, self.loop.step, w.rank, w.size, self.config.grad_accum)
         micro = next(self.batches)
         if not self.rows_checked:
             self.rows_checked = check_rows(micro, self.world.size, self.config.batch_size)
@@ -236,7 +252,7 @@ class Trainer:
             if self.config.time_budget:
                 for clock in self._clocks():
                     clock.fill_(int(self._progress() * self.config.steps))
-            logged = (self.step + 1) % self.config.log_every == 0 or self.step + 1 >= self.config.steps
+            logged = (self.loop.step + 1) % self.config.log_every == 0 or self.loop.step + 1 >= self.config.steps
             if not self.clipped and (logged or self.config.time_budget):
                 record["grad_norm"] = ps.tree_global_norm(grads)  # no clip state to read it from
             params = self.params()
@@ -244,19 +260,19 @@ class Trainer:
             self.opt_state, self.ema = out[1], (out[2] if self.ema is not None else None)
         # Zeroed in place, not dropped: the next backward writes where the update reads.
         torch._foreach_zero_([D.local(g) for g in grads.values()])
-        self.step += 1
-        self.tokens += total[1]
+        self.loop.step += 1
+        self.loop.tokens += total[1]
         if "event" in record:
-            self.skipped += 1
+            self.loop.skipped += 1
         return record
 
     def _spiked(self, loss: float) -> bool:
-        k, recent = self.config.spike_factor, self.recent
+        k, recent = self.config.spike_factor, self.loop.recent
         if len(recent) == recent.maxlen and loss > k * (sum(recent) / len(recent)):
-            self.spikes += 1
+            self.loop.spikes += 1
             return True
         recent.append(loss)
-        self.spikes = 0
+        self.loop.spikes = 0
         return False
 
     def nonfinite(self) -> Tensor:
@@ -266,7 +282,7 @@ class Trainer:
     @property
     def updates(self) -> int:
         """Updates applied to the params so far (reads the skip count from the device)."""
-        return self.step - self.skipped - int(self.nonfinite())
+        return self.loop.step - self.loop.skipped - int(self.nonfinite())
 
     def lr(self) -> float | None:
         """The injected `lr` the last update used (None when the transform injects none)."""
@@ -300,20 +316,20 @@ class Trainer:
 
     def rewind(self) -> dict[str, Any]:
         """Back to the last checkpoint after repeated loss spikes; the batches since are skipped."""
-        at = self.step
+        at = self.loop.step
         c = run_dir.restore(self) if self.checkpoints is not None else None
-        self.spikes = 0
+        self.loop.spikes = 0
         if c is None:
             log(f"step {at}: repeated loss spikes but no checkpoint to rewind to; skipping on")
             return {"to": None}
-        self.skip.append([self.step, at])
-        log(f"step {at}: repeated loss spikes: rewound to step {self.step}, skipping batches {self.step}..{at - 1}")
-        return {"to": self.step, "skipped": [self.step, at]}
+        self.loop.skip.append([self.loop.step, at])
+        log(f"step {at}: repeated loss spikes: rewound to step {self.loop.step}, skipping batches {self.loop.step}..{at - 1}")
+        return {"to": self.loop.step, "skipped": [self.loop.step, at]}
 
     def finished(self) -> bool:
         """Whether the run has done its `steps` (or spent its `time_budget`)."""
         budget = self.config.time_budget
-        return self.step >= self.config.steps or (budget is not None and self.elapsed >= budget)
+        return self.loop.step >= self.config.steps or (budget is not None and self.loop.elapsed >= budget)
 
     # ------------------------------------------------------------------ #
     # The loop.
@@ -321,18 +337,18 @@ class Trainer:
 
     def _log(self, record: dict[str, Any], since: tuple[float, float]) -> tuple[float, float]:
         """Read the step's device values (a sync), write them to metrics.jsonl and the progress display."""
-        now, tokens = time.perf_counter(), float(self.tokens)
+        now, tokens = time.perf_counter(), float(self.loop.tokens)
         tok_s = (tokens - since[1]) / max(now - since[0], 1e-9)
         norm = record.get("grad_norm", self._grad_norm())
-        line = {"step": self.step, "loss": _read(record.get("loss")), "lr": self.lr(), "grad_norm": _read(norm),
-                "tokens_per_s": tok_s, "time": self.elapsed}
+        line = {"step": self.loop.step, "loss": _read(record.get("loss")), "lr": self.lr(), "grad_norm": _read(norm),
+                "tokens_per_s": tok_s, "time": self.loop.elapsed}
         if self.flops_per_token and self.peak_flops:
             line["mfu"] = self.flops_per_token * tok_s / (self.peak_flops * self.world.size)
         nonfinite = int(self.nonfinite())
         if nonfinite > self.nonfinite_logged:
-            event = {"step": self.step, "event": "skip_nonfinite", "skipped": nonfinite - self.nonfinite_logged}
+            event = {"step": self.loop.step, "event": "skip_nonfinite", "skipped": nonfinite - self.nonfinite_logged}
             self.metrics.write(event)
-            log(f"step {self.step}: skip_nonfinite ({event['skipped']} step(s) with non-finite gradients since the last log)")
+            log(f"step {self.loop.step}: skip_nonfinite ({event['skipped']} step(s) with non-finite gradients since the last log)")
             self.nonfinite_logged = nonfinite
         if line["loss"] is not None:
             self.last.update(line)
@@ -359,44 +375,44 @@ class Trainer:
     def _fit(self, resume: bool) -> dict[str, Any]:
         cfg = self.config
         if not run_dir.open_run(self, resume):
-            return dict(self.last, step=self.step)
+            return dict(self.last, step=self.loop.step)
         w, k = self.world, cfg.grad_accum
-        start = max([self.step] + [b for a, b in self.skip if a <= self.step])  # batches the source gave out
+        start = max([self.loop.step] + [b for a, b in self.loop.skip if a <= self.loop.step])  # batches the source gave out
         self.batches = train_batches(self.data, start, w.rank, w.size, k)
-        since = (time.perf_counter(), float(self.tokens))
+        since = (time.perf_counter(), float(self.loop.tokens))
         self.model.train()
-        with StopSignals(w.main) as stop, contextlib.closing(Progress(self.progress, cfg.steps, self.step)) as bar:
+        with StopSignals(w.main) as stop, contextlib.closing(Progress(self.progress, cfg.steps, self.loop.step)) as bar:
             spent = 0.0
             while not self.finished():
                 t0 = time.perf_counter()
                 record = self.train_step()
                 spent += time.perf_counter() - t0
-                due = self.step % cfg.log_every == 0 or self.step >= cfg.steps
+                due = self.loop.step % cfg.log_every == 0 or self.loop.step >= cfg.steps
                 # One process counts the time every step; under torchrun the ranks agree on it (and
                 # so on the budget and the schedule's progress) at log steps.
                 if due or not w.distributed:
-                    self.elapsed, spent = self.elapsed + self._agreed(spent), 0.0
+                    self.loop.elapsed, spent = self.loop.elapsed + self._agreed(spent), 0.0
                     due = due or self.finished()
-                bar.step(self.step)
+                bar.step(self.loop.step)
                 if record.get("event") == "skip_spike":
-                    self.metrics.write({"step": self.step, "event": "skip_spike", "loss": _read(record["loss"])})
-                    log(f"step {self.step}: loss spike skipped (loss {_read(record['loss']):.4g})")
-                    if self.spikes >= cfg.spike_rewind:
-                        self.metrics.write({"step": self.step, "event": "rewind", **self.rewind()})
+                    self.metrics.write({"step": self.loop.step, "event": "skip_spike", "loss": _read(record["loss"])})
+                    log(f"step {self.loop.step}: loss spike skipped (loss {_read(record['loss']):.4g})")
+                    if self.loop.spikes >= cfg.spike_rewind:
+                        self.metrics.write({"step": self.loop.step, "event": "rewind", **self.rewind()})
                 if due and "loss" in record:
                     since = self._log(record, since)
                     bar.metrics(self.last)
-                if cfg.eval_every and self.step % cfg.eval_every == 0:
+                if cfg.eval_every and self.loop.step % cfg.eval_every == 0:
                     self.last["val_loss"] = self.evaluate()
-                    self.metrics.write({"step": self.step, "val_loss": self.last["val_loss"]})
-                    bar.line(f"step {self.step:6d}  val loss {self.last['val_loss']:.4f}")
-                if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                    self.metrics.write({"step": self.loop.step, "val_loss": self.last["val_loss"]})
+                    bar.line(f"step {self.loop.step:6d}  val loss {self.last['val_loss']:.4f}")
+                if cfg.checkpoint_every and self.loop.step % cfg.checkpoint_every == 0:
                     self.save()
                 if stop.agreed(self.world, due):
                     self._preempted(stop.signum)
-        if self.saved_at != self.step:
+        if self.saved_at != self.loop.step:
             self.save()  # a finished run always has a checkpoint
-        return dict(self.last, step=self.step)
+        return dict(self.last, step=self.loop.step)
 
     def _agreed(self, seconds: float) -> float:
         """`seconds` averaged over the ranks (a collective under torchrun)."""
@@ -408,10 +424,10 @@ class Trainer:
     def _preempted(self, signum: int) -> None:
         import signal
 
-        path = self.save() if self.saved_at != self.step else None
+        path = self.save() if self.saved_at != self.loop.step else None
         if self.world.main:
             where = f"checkpoint {path}" if path else "no run directory, nothing saved"
-            log(f"stopped by {signal.Signals(signum).name} at step {self.step}; {where}; resume with --resume / fit(resume=True)")
+            log(f"stopped by {signal.Signals(signum).name} at step {self.loop.step}; {where}; resume with --resume / fit(resume=True)")
         raise SystemExit(128 + signum)
 
     def close(self) -> None:

@@ -121,3 +121,15 @@ def test_train_step_before_fit_opens_the_data_and_writes_nothing(tmp_path):
     assert not (tmp_path / "run").exists()
     t.fit()  # fit goes on from there
     assert t.step == 4 and Path(tmp_path / "run" / "checkpoints" / "step_00000004").is_dir()
+
+
+def test_the_loop_state_is_one_record_saved_with_the_checkpoint_and_loaded_back(tmp_path):
+    from purestep.api import load_checkpoint
+
+    t = trainer(tmp_path, "steps=4", "spike_factor=8.0", "spike_window=2")
+    t.fit()
+    saved = load_checkpoint(tmp_path / "checkpoints" / "step_00000004").manifest.metadata["trainer"]
+    assert saved == t.loop.state_dict() and saved["step"] == 4 and saved["tokens"] > 0 and len(saved["recent"]) == 2
+    back = trainer(tmp_path, "steps=6")
+    back.fit(resume=True)  # resumed from step 4, trained on to 6
+    assert back.step == 6 and back.loop.state_dict()["tokens"] == saved["tokens"] * 6 // 4

@@ -427,7 +427,7 @@ def test_corrupted_checkpoint_fails_loudly_and_resume_falls_back(tmp_path, capsy
 def test_resume_refuses_when_no_checkpoint_loads(tmp_path):
     trainer(tmp_path, "steps=4").fit()
     (tmp_path / "checkpoints" / "step_00000004" / "opt_state.safetensors").write_bytes(b"junk")
-    with pytest.raises(RunDirError, match="nothing to resume"):
+    with pytest.raises(RunDirError, match="no checkpoint in .* loads .see the warnings above.; move the damaged ones aside"):
         trainer(tmp_path, "steps=6").fit(resume=True)
 
 

@@ -209,16 +209,6 @@ def full_tree(tree: Any) -> Any:
     return pytree.tree_map(lambda t: t.full_tensor() if is_dtensor(t) else t, tree)
 
 
-def shard_like(full: Tensor, like: Tensor) -> Tensor:
-    """`full` (the whole tensor, present on every rank) laid out like `like` (a DTensor or a plain tensor)."""
-    if not is_dtensor(like):
-        return full.to(device=like.device, dtype=like.dtype)
-    from torch.distributed.tensor import distribute_tensor
-
-    full = full.to(device=like.to_local().device, dtype=like.dtype)
-    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
-
-
 def copy_into_(dst_tree: Any, src_tree: Any) -> None:
     """Write each leaf of `src_tree` into the same leaf of `dst_tree` (DTensor or plain), no autograd."""
     with torch.no_grad():

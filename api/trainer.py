@@ -44,6 +44,18 @@ def _nodes(tree: Any, cls: type) -> list[Any]:
     return [n for n in pytree.tree_leaves(tree, is_leaf=lambda x: isinstance(x, cls)) if isinstance(n, cls)]
 
 
+def _holds(transform: ps.Transform, params: dict[str, Tensor], cls: type) -> bool:
+    """Whether `transform`'s state holds a `cls` state, found by initializing it on meta
+    tensors of the params' shapes (nothing allocated); a transform whose init needs real
+    data is initialized for real."""
+    meta = {k: torch.empty(p.shape, dtype=p.dtype, device="meta") for k, p in params.items()}
+    try:
+        state = transform.init(meta)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        state = transform.init(params)
+    return bool(_nodes(state, cls))
+
+
 def _read(t: Tensor | None) -> float | None:
     """A 0-d device tensor on the host (a sync: only when a log line is due)."""
     return None if t is None else float(t.full_tensor() if D.is_dtensor(t) else t)
@@ -115,10 +127,10 @@ class Trainer:
         if transform is None:
             transform = cfg.build_optimizer()
         elif cfg.optimizer.clip_grad_norm is not None:
-            if _nodes(transform.init(params), ps.ClipByGlobalNormState):
+            if _holds(transform, params, ps.ClipByGlobalNormState):
                 raise ConfigError("optimizer.clip_grad_norm", "the given transform clips already; set it to None")
             transform = ps.chain(ps.clip_by_global_norm(cfg.optimizer.clip_grad_norm), transform)
-        if cfg.bf16_params and not _nodes(transform.init(params), ps.CompensatedUpdatesState):
+        if cfg.bf16_params and not _holds(transform, params, ps.CompensatedUpdatesState):
             transform = ps.chain(transform, ps.compensated_updates())  # last: it sees the final update
         self.transform = ps.apply_if_finite(transform)
         if ema is None and cfg.ema_decay:

@@ -107,6 +107,20 @@ class EmptyState(NamedTuple):
 # --------------------------------------------------------------------------- #
 
 
+def check_int(name: str, value: object, minimum: int = 0, *, below: int | None = None, why: str = "") -> int:
+    """`value`, an int (not a bool) >= `minimum` (and < `below`), else a ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (below is not None and value >= below):
+        wanted = f"in [{minimum}, {below})" if below is not None else f">= {minimum}"
+        raise ValueError(f"{name} must be an int {wanted}{f' ({why})' if why else ''}, got {value!r}")
+    return value
+
+
+def require_params(params: Any, who: str, what: str = "") -> None:
+    """The error of a transform whose update needs the params and was called without them."""
+    if params is None:
+        raise ValueError(f"{who} needs params{f' ({what})' if what else ''}: call update(grads, state, params)")
+
+
 def leaf_device(leaves: list[Tensor]) -> torch.device:
     """The device that a state's scalars live on: the first leaf's, else CPU."""
     return leaves[0].device if leaves else torch.device("cpu")

@@ -11,7 +11,19 @@ from torch import Tensor
 from . import _layout as lay
 from . import _lists as ls
 from . import _tree as tr
-from ._base import EmptyState, Params, Transform, check_hyperparam, check_positive, is_static, leaf_device, once, zero_count
+from ._base import (
+    EmptyState,
+    Params,
+    Transform,
+    check_hyperparam,
+    check_int,
+    check_positive,
+    is_static,
+    leaf_device,
+    once,
+    require_params,
+    zero_count,
+)
 
 _NORM_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: coef = max_norm / (norm + 1e-6)
 
@@ -156,8 +168,7 @@ def adaptive_clip(clipping: float = 0.01, eps: float = 1e-3, *, axis: int | tupl
         return EmptyState()
 
     def update(grads, state, params=None, **extra):
-        if params is None:
-            raise ValueError("adaptive_clip needs params: call update(grads, state, params)")
+        require_params(params, "adaptive_clip")
         lay.whole_leaves(grads, stacks=True)  # per-unit norms: same-shape leaves stacked
         ps_ = tr.check_match(params, grads, "params", "grads", dtype=False)
         gs, spec = pytree.tree_flatten(grads)
@@ -223,8 +234,7 @@ def clip_by_running_norm(factor: float = 2.0, beta: float = 0.99, warmup_steps: 
         raise ValueError(f"factor must be a float > 0, got {factor!r}")
     if not is_static(beta) or not 0.0 < beta < 1.0:
         raise ValueError(f"beta must be a float in (0, 1), got {beta!r}")
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
-        raise ValueError(f"warmup_steps must be an int >= 1 (the average needs one norm), got {warmup_steps!r}")
+    check_int("warmup_steps", warmup_steps, 1, why="the average needs one norm")
 
     def init(params: Params) -> ClipByRunningNormState:
         leaves = pytree.tree_leaves(params)

@@ -13,6 +13,7 @@ from . import _layout as lay
 from . import _lists as ls
 from . import _tree as tr
 from ._base import (
+    check_int,
     EmptyState,
     OptState,
     Params,
@@ -504,8 +505,7 @@ def accumulate(inner: Transform, every: int) -> Transform:
 
     Calls in between return zero updates and leave the inner state unchanged.
     """
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"every must be an int >= 1, got {every!r}")
+    check_int("every", every, 1)
 
     def init(params: Params) -> AccumulateState:
         leaves = pytree.tree_leaves(params)

@@ -13,6 +13,7 @@ from . import _layout as lay
 from . import _lists as ls
 from . import _tree as tr
 from ._base import (
+    require_params,
     EmptyState,
     Params,
     PyTree,
@@ -65,8 +66,7 @@ def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0, mask: Any = None) 
         return 1.0, weight_decay, state
 
     def update(grads, state, params=None, **extra):
-        if params is None:
-            raise ValueError("add_decayed_weights needs params: call update(grads, state, params)")
+        require_params(params, "add_decayed_weights")
         ps_ = tr.check_match(params, grads, "params", "grads", dtype=False)
         us, spec = pytree.tree_flatten(grads)
         _, wd, state = affine(state)

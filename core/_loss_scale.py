@@ -9,7 +9,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from . import _lists as ls
-from ._base import PyTree, is_static, leaf_device
+from ._base import PyTree, check_int, is_static, leaf_device
 
 
 class DynamicLossScaleState(NamedTuple):
@@ -72,8 +72,7 @@ def dynamic_loss_scale(
         raise ValueError(f"growth_factor must be a float > 1, got {growth_factor!r}")
     if not is_static(backoff_factor) or not 0.0 < backoff_factor < 1.0:
         raise ValueError(f"backoff_factor must be a float in (0, 1), got {backoff_factor!r}")
-    if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
-        raise ValueError(f"growth_interval must be an int >= 1, got {growth_interval!r}")
+    check_int("growth_interval", growth_interval, 1)
 
     def init(params: Any = None) -> DynamicLossScaleState:
         device = leaf_device(pytree.tree_leaves(params)) if params is not None else torch.device("cpu")

@@ -16,7 +16,19 @@ from . import _layout as lay
 from . import _precision as lp
 from . import _lists as ls
 from . import _tree as tr
-from ._base import Params, PyTree, ScalarOrSchedule, Transform, check_hyperparam, check_nonnegative, check_positive, leaf_device, resolve, zero_count
+from ._base import (
+    Params,
+    PyTree,
+    ScalarOrSchedule,
+    Transform,
+    check_hyperparam,
+    check_int,
+    check_nonnegative,
+    check_positive,
+    leaf_device,
+    resolve,
+    zero_count,
+)
 from ._decay import param_kind
 
 # torch.optim.Muon's quintic Newton-Schulz coefficients (from Keller Jordan's Muon), used every iteration.
@@ -167,8 +179,7 @@ def _check_matrices(tree: PyTree, what: str) -> None:
 
 
 def check_muon_args(ns_steps: int, ns_coefficients: Coefficients, ns_dtype: Any, adjust_lr: Any, eps: float) -> None:
-    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or not 1 <= ns_steps < 100:
-        raise ValueError(f"ns_steps must be an int in [1, 100), got {ns_steps!r}")
+    check_int("ns_steps", ns_steps, 1, below=100)
     _coefficient_schedule(ns_coefficients, ns_steps)
     if not isinstance(ns_dtype, torch.dtype) or not ns_dtype.is_floating_point:
         raise ValueError(f"ns_dtype must be a floating torch.dtype (torch.bfloat16, torch.float32...), got {ns_dtype!r}")

@@ -6,7 +6,16 @@ from typing import Any
 
 import torch
 
-from ._base import ScalarOrSchedule, Transform, check_betas, check_hyperparam, check_nonnegative, check_positive, is_static
+from ._base import (
+    ScalarOrSchedule,
+    Transform,
+    check_betas,
+    check_hyperparam,
+    check_int,
+    check_nonnegative,
+    check_positive,
+    is_static,
+)
 from ._combine import chain, identity, masked, partition
 from ._decay import add_decayed_weights
 from ._scaling import scale, scale_by_adam, scale_by_lion, scale_by_lr, scale_by_trust_ratio, trace
@@ -463,8 +472,7 @@ def schedule_free_adamw(
     b1, b2 = check_betas(betas)
     check_hyperparam("weight_decay", weight_decay)
     check_nonnegative("weight_decay", weight_decay)
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
+    check_int("warmup_steps", warmup_steps)
     lr_t = warmup_lr(lr, warmup_steps)
     base = chain(scale_by_adam(0.0, b2, eps), _decay(weight_decay), scale_by_lr(lr_t))
     return schedule_free(base, lr_t, b1, r=r, weight_lr_power=weight_lr_power)

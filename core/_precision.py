@@ -25,7 +25,7 @@ from torch import Tensor
 
 from . import _layout as lay
 from . import _tree as tr
-from ._base import Params, Transform, leaf_device, zero_count
+from ._base import Params, Transform, leaf_device, require_params, zero_count
 
 # --------------------------------------------------------------------------- #
 # Counter-based random bits.
@@ -427,8 +427,7 @@ def compensated_updates(*, method: str = "kahan") -> Transform:
         return CompensatedUpdatesState(count, pytree.tree_map(buffer, params))
 
     def update(updates, state, params=None, **extra):
-        if params is None:
-            raise ValueError("compensated_updates needs params: call update(grads, state, params)")
+        require_params(params, "compensated_updates")
         ps_ = tr.check_match(params, updates, "params", "updates", dtype=False)
         us, spec = pytree.tree_flatten(updates)
         cs, cspec = pytree.tree_flatten(state.compensation)

@@ -16,6 +16,7 @@ from . import _precision as lp
 from . import _lists as ls
 from . import _tree as tr
 from ._base import (
+    require_params,
     EmptyState,
     once,
     Params,
@@ -393,8 +394,7 @@ def scale_by_trust_ratio(*, min_norm: float = 0.0, trust_coefficient: float = 1.
         return EmptyState()
 
     def update(grads, state, params=None, **extra):
-        if params is None:
-            raise ValueError("scale_by_trust_ratio needs params: call update(grads, state, params)")
+        require_params(params, "scale_by_trust_ratio")
         lay.whole_leaves(grads, stacks=True)  # per-leaf norms: same-shape leaves stacked
         ps_ = tr.check_match(params, grads, "params", "grads", dtype=False)
         us, spec = pytree.tree_flatten(grads)

@@ -16,6 +16,7 @@ from torch import Tensor
 from . import _lists as ls
 from . import _tree as tr
 from ._base import (
+    require_params,
     once,
     OptState,
     Params,
@@ -102,8 +103,7 @@ def schedule_free(
         return ScheduleFreeState(count, f64(resolve(b1, count)), f64(0.0), f64(-1.0), z, base.init(params))
 
     def update(grads, state, params=None, **extra):
-        if params is None:
-            raise ValueError("schedule_free needs params (the training params y): call update(grads, state, params)")
+        require_params(params, "schedule_free", "the training params y")
         ys = tr.check_match(params, state.z, "params", "z", dtype=False)
         zs, spec = pytree.tree_flatten(state.z)
         lr_t = as_float64(resolve(lr, state.count), state.count.device)

@@ -16,7 +16,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from ._base import Schedule, as_float64
+from ._base import Schedule, as_float64, check_int
 
 _Fn = Callable[[Tensor], Tensor]  # float64 step -> float64 value, both 0-d
 
@@ -40,12 +40,6 @@ def _schedule(fn: _Fn, name: str) -> Schedule:
 
     schedule.__name__ = schedule.__qualname__ = name
     return schedule
-
-
-def _check_steps(name: str, value: object, *, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 def _check_value(name: str, value: object) -> float:
@@ -107,8 +101,8 @@ def linear_schedule(init: float, end: float, steps: int, *, begin: int = 0) -> S
         0.75
     """
     init, end = _check_value("init", init), _check_value("end", end)
-    steps = _check_steps("steps", steps)
-    begin = _check_steps("begin", begin)
+    steps = check_int("steps", steps)
+    begin = check_int("begin", begin)
     return _schedule(lambda t: _linear(t - begin, init, end, steps), "linear_schedule")
 
 
@@ -127,7 +121,7 @@ def cosine_schedule(init: float, steps: int, final: float = 0.0) -> Schedule:
         0.5
     """
     init, final = _check_value("init", init), _check_value("final", final)
-    steps = _check_steps("steps", steps, minimum=1)
+    steps = check_int("steps", steps, 1)
 
     def fn(t: Tensor) -> Tensor:
         tau = torch.clamp(t, 0.0, float(steps)) / steps
@@ -151,8 +145,8 @@ def warmup_cosine_schedule(
         [0.0, 0.5, 1.0, 0.5, 0.0, 0.0]
     """
     peak, init, final = _check_value("peak", peak), _check_value("init", init), _check_value("final", final)
-    warmup_steps = _check_steps("warmup_steps", warmup_steps)
-    total_steps = _check_steps("total_steps", total_steps, minimum=1)
+    warmup_steps = check_int("warmup_steps", warmup_steps)
+    total_steps = check_int("total_steps", total_steps, 1)
     if warmup_steps >= total_steps:
         raise ValueError(
             f"warmup_steps ({warmup_steps}) must be < total_steps ({total_steps}): the warmup would outlast the run"
@@ -198,9 +192,9 @@ def wsd_schedule(
         Hägele et al., Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations, 2024.
     """
     peak, init, final = _check_value("peak", peak), _check_value("init", init), _check_value("final", final)
-    warmup_steps = _check_steps("warmup_steps", warmup_steps)
-    total_steps = _check_steps("total_steps", total_steps, minimum=1)
-    decay_steps = _check_steps("decay_steps", decay_steps, minimum=1)
+    warmup_steps = check_int("warmup_steps", warmup_steps)
+    total_steps = check_int("total_steps", total_steps, 1)
+    decay_steps = check_int("decay_steps", decay_steps, 1)
     if shape not in _WSD_SHAPES:
         raise ValueError(f"shape must be one of {', '.join(map(repr, _WSD_SHAPES))}, got {shape!r}")
     if warmup_steps > total_steps:
@@ -243,7 +237,7 @@ def inverse_sqrt_schedule(peak: float, warmup_steps: int, *, init: float = 0.0) 
         Vaswani et al., Attention Is All You Need, 2017 (section 5.3).
     """
     peak, init = _check_value("peak", peak), _check_value("init", init)
-    warmup_steps = _check_steps("warmup_steps", warmup_steps, minimum=1)
+    warmup_steps = check_int("warmup_steps", warmup_steps, 1)
 
     def fn(t: Tensor) -> Tensor:
         warm = _linear(t, init, peak, warmup_steps)
@@ -301,7 +295,7 @@ def join_schedules(schedules: Sequence[Callable], boundaries: Sequence[int]) -> 
         if not callable(s):
             raise ValueError(f"schedules[{i}] is {type(s).__name__}, not a schedule (step -> value)")
     for b in boundaries:
-        _check_steps("boundaries entries", b)
+        check_int("boundaries entries", b)
 
     def fn(t: Tensor) -> Tensor:
         out = as_float64(schedules[0](t), t.device)
@@ -346,7 +340,7 @@ def _one_cycle(phases: list[tuple[float, float]], values: list[tuple[float, floa
 
 
 def _check_one_cycle(total_steps: int, pct_start: float, anneal: str) -> None:
-    _check_steps("total_steps", total_steps, minimum=1)
+    check_int("total_steps", total_steps, 1)
     if not isinstance(pct_start, (int, float)) or not 0.0 <= pct_start <= 1.0:
         raise ValueError(f"pct_start must be a float in [0, 1], got {pct_start!r}")
     if anneal not in _ANNEALS:

@@ -16,6 +16,7 @@ from . import _precision as lp
 from . import _lists as ls
 from . import _tree as tr
 from ._base import (
+    check_int,
     Params,
     PyTree,
     ScalarOrSchedule,
@@ -65,8 +66,7 @@ def scale_by_sophia(
     check_nonnegative("rho", rho)
     check_hyperparam("eps", eps)
     check_positive("eps", eps)
-    if isinstance(update_every, bool) or not isinstance(update_every, int) or update_every < 1:
-        raise ValueError(f"update_every must be an int >= 1, got {update_every!r}")
+    check_int("update_every", update_every, 1)
 
     def init(params: Params) -> ScaleBySophiaState:
         leaves = pytree.tree_leaves(params)

@@ -18,7 +18,7 @@ from torch import Tensor
 from . import _flat
 from . import _lists as ls
 from . import _tree as tr
-from ._base import OptState, Params, PyTree, Transform
+from ._base import OptState, Params, PyTree, Transform, check_int
 from ._combine import apply_in_place
 from . import _sharded
 from ._engine import Engine, explain_pure
@@ -501,8 +501,7 @@ def make_step(
     if not callable(loss_fn):
         raise ValueError(f"loss_fn must be callable, got {loss_fn!r}")
     _check_optimizer(optimizer)
-    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-        raise ValueError(f"micro_batches must be an int >= 1, got {micro_batches!r}")
+    check_int("micro_batches", micro_batches, 1)
 
     def grads_of(params, batch, buffers, with_buffers):
         def inner(p):

@@ -30,6 +30,8 @@ import torch
 
 from . import _dirs as dirs
 from . import _io as store
+from purestep.core._base import check_int
+
 from .. import distributed as D
 from ..errors import CheckpointError as CheckpointError
 from ..errors import RunDirError
@@ -209,8 +211,7 @@ class CheckpointManager:
 
     def __init__(self, run_dir: str | os.PathLike, *, keep_last: int = 3, world: D.World | None = None,
                  distributed: bool = False) -> None:
-        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
-            raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
+        check_int("keep_last", keep_last, 1)
         self.run_dir, self.folder = Path(run_dir), Path(run_dir) / "checkpoints"
         self.keep_last, self.distributed = keep_last, distributed
         self.world = world if world is not None else D.current_world()

@@ -20,7 +20,6 @@ from ..errors import CheckpointError
 from ._format import DTYPES, GROUPS, FileEntry, Manifest, hash_and_fsync, read_header
 from ._reader import Chunk, quiet_dcp
 
-NAME = "dcp"
 _SHARDING = "DCP_SHARDING_INFO"  # the header entry where DCP's safetensors writer keeps each shard's offsets
 
 

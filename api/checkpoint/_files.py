@@ -18,7 +18,6 @@ from .. import distributed as D
 from ._format import DTYPES, GROUPS, FileEntry, Manifest, read_header, write_tensors
 from ._reader import Chunk
 
-NAME = "files"
 
 
 def write(tmp: Path, state: dict[str, Tensor], order: dict[str, list[str]], world: D.World) -> dict[str, FileEntry]:

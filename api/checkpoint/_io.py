@@ -29,6 +29,8 @@ import purestep.core as ps
 
 from . import _dirs as dirs
 from . import _dcp, _files
+from purestep.core._base import check_int
+
 from .. import distributed as D
 from ..errors import CheckpointError
 from ._format import GROUPS, MANIFEST, Manifest, encode_manifest, fsync_dir, read_manifest
@@ -79,10 +81,9 @@ def verify_checkpoint(path: str | os.PathLike) -> Manifest:
 def save(final: Path, trees: tuple[Any, Any, Any], *, step: int, world: D.World, layout: str, extras: tuple,
           rng: bool, keep_last: int | None, is_good: Callable[[Path], bool]) -> Path:
     """The one save: rank 0 prepares a temporary directory, the layout writes into it, rank 0 seals and publishes."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be an int >= 0, got {step!r}")
-    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1):
-        raise ValueError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
+    check_int("step", step)
+    if keep_last is not None:
+        check_int("keep_last", keep_last, 1)
     state, order = _flat_state(trees)
     try:
         config, metadata, data_state = (msgspec.to_builtins(x) for x in (extras[0], extras[1] or {}, extras[2]))

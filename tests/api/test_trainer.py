@@ -489,3 +489,19 @@ def test_a_time_budget_under_ddp_ends_on_every_rank_together(tmp_path):
     assert 2 <= step < 100000 and step % 2 == 0  # stopped at a log step, where the ranks agree
     assert load_checkpoint(tmp_path / "checkpoints" / f"step_{step:08d}").manifest.metadata["trainer"]["elapsed"] >= 4
 
+
+
+def test_the_trainer_inspects_a_given_transform_on_meta_tensors_and_allocates_one_state():
+    devices = []
+    inner = ps.adamw(1e-3)
+
+    def init(params):
+        devices.append(next(iter(params.values())).device.type)
+        return inner.init(params)
+
+    given = ps.Transform(init, inner.update)
+    cfg = apply_overrides(TrainConfig(), ["optimizer.clip_grad_norm=1.0", "precision=bf16-true", "model.n_embd=32",
+                                          "model.n_layer=1", "model.n_head=2", "model.block_size=32", "data.max_bytes=200000"])
+    t = Trainer(None, given, None, cfg)
+    assert devices.count("cpu") == 1 and devices.count("meta") == 2, devices  # clip looked for, compensation looked for
+    assert len([n for n in ps.tree_leaves(t.opt_state)]) > 0

@@ -380,7 +380,7 @@ def nonfinite_count(xs: list[Tensor]) -> Tensor:
         return torch.zeros((), dtype=torch.int64)
     if all(type(x) in (Tensor, torch.nn.Parameter) for x in xs):
         # min and max of each leaf in one pass each (NaN propagates, ±inf shows), no
-        # elementwise mask: ~17x faster than counting in eager code.
+        # elementwise mask to count.
         ends = [torch.stack(torch.aminmax(x)).to(torch.float64) for x in xs if x.is_floating_point() and x.numel()]
         if not ends:
             return torch.zeros((), dtype=torch.int64, device=xs[0].device)

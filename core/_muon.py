@@ -230,8 +230,8 @@ def scale_by_muon(
         a different order, so a sum near a bf16 rounding boundary can round the other way.
         On random matrices the orthogonalized entries differ by at most 2⁻⁶ (≈ 2 bf16 ulps at
         the entries' largest magnitude, 1), in 15-95% of the matrices, and the emulation is
-        as close to a float64 Newton-Schulz as real bf16 is; it runs 7-400x faster on such
-        CPUs. Pass `emulate_bf16=False` for real bf16 matmuls (the slow path on such CPUs).
+        as close to a float64 Newton-Schulz as real bf16 is, and much faster on such CPUs
+        (benchmarks/results/2026-11-23-muon-cpu.md). Pass `emulate_bf16=False` for real bf16 matmuls (the slow path on such CPUs).
 
     Example:
         >>> import torch, purestep.core as ps

@@ -273,10 +273,10 @@ if hasattr(_inductor_config, "emulate_precision_casts"):
 # Per device type, for the flat and sharded paths. There the per-step scalars are realized
 # by `ps.once` where they are computed (bias corrections, schedules, the clip factor): a
 # low threshold for every node would also materialize large intermediates read twice, as
-# apply_if_finite's new state (checked, then selected): on CPU clip + AdamW +
-# apply_if_finite took 16.3 ms with it and 8.0 ms without at 5M params, AdamW alone 3.8 /
-# 4.0 ms. (Inlined into a 100M-element kernel, float64 `pow`s per element made the CUDA
-# step compute-bound: `once` keeps them out.)
+# apply_if_finite's new state (checked, then selected), which measurably slowed the CPU
+# step (see benchmarks/README.md, "ps.once").
+# Inlined into a large kernel, float64 `pow`s per element make a CUDA step compute-bound:
+# `once` keeps them out.
 _FLAT_INDUCTOR_OPTIONS = {k: v for k, v in _INDUCTOR_OPTIONS.items() if k != "realize_opcount_threshold"}
 _FLAT_OPTIONS = {"cpu": _FLAT_INDUCTOR_OPTIONS, "cuda": _FLAT_INDUCTOR_OPTIONS}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import sys
 import threading
@@ -60,17 +61,34 @@ class MetricsFile:
         self.path = path if main else None
 
     def keep_until(self, step: int) -> None:
-        """Start the file afresh, keeping the records up to `step` (those of the checkpoint resumed from)."""
+        """Start the file afresh, keeping the records up to `step` (those of the checkpoint resumed from).
+
+        Written to a new file that then replaces the old one (as checkpoints are): a write
+        that fails (full disk, file-size limit, a kill) leaves the old records as they were.
+        """
         if self.path is None:
             return
         kept = [r for r in read_metrics(self.path) if r["step"] <= step] if self.path.exists() else []
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        try:
+            with open(tmp, "w") as f:
+                f.write("".join(json.dumps(r) + "\n" for r in kept))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise RunDirError(f"{self.path}: cannot rewrite ({e.strerror}); its records are kept as they were") from None
 
     def write(self, record: dict[str, Any]) -> None:
+        """Append one record; a `RunDirError` naming the file when it cannot (full disk...)."""
         if self.path is not None:
             line = json.dumps({k: _plain(v) for k, v in record.items()}, allow_nan=False)
-            with open(self.path, "a") as f:
-                f.write(line + "\n")
+            try:
+                with open(self.path, "a") as f:
+                    f.write(line + "\n")
+            except OSError as e:
+                raise RunDirError(f"{self.path}: cannot append a record ({e.strerror})") from None
 
 
 # --------------------------------------------------------------------------- #
@@ -118,10 +136,11 @@ class Progress:
 
 
 class StopSignals:
-    """While active, SIGTERM (a cluster's notice before it kills) and SIGINT (Ctrl-C) ask
-    the loop to stop after the current step; a second Ctrl-C stops at once."""
+    """While active, SIGTERM (a cluster's notice before it kills), SIGHUP (the terminal or
+    ssh session closed) and SIGINT (Ctrl-C) ask the loop to stop after the current step;
+    a second Ctrl-C stops at once."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGHUP: the terminal or ssh session closed
 
     def __init__(self, announce: bool) -> None:
         self.announce, self.signum, self.previous = announce, None, {}
@@ -136,7 +155,10 @@ class StopSignals:
             raise KeyboardInterrupt
         self.signum = signum
         if self.announce:
-            log(f"{signal.Signals(signum).name}: stopping after this step to save a checkpoint (Ctrl-C again: at once)")
+            try:  # after SIGHUP the terminal may be gone
+                log(f"{signal.Signals(signum).name}: stopping after this step to save a checkpoint (Ctrl-C again: at once)")
+            except OSError:
+                pass
 
     def agreed(self, world: Any, log_due: bool) -> bool:
         """Whether to stop now: at once in one process; under torchrun, at a log step, all ranks together."""

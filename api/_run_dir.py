@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import collections
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 import torch.utils._pytree as pytree
 from torch import Tensor
@@ -20,9 +22,24 @@ import purestep.core as ps
 
 from . import distributed as D
 from ._report import log
-from .checkpoint import Checkpoint, checkpoint_dir, read_manifest
+from .checkpoint import MANIFEST, Checkpoint, checkpoint_dir, read_manifest
 from .config import resume_changes
-from .errors import ConfigError, RunDirError
+from .errors import CheckpointError, ConfigError, RunDirError
+
+
+_Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 62)]
+
+
+class _SavedLoop(msgspec.Struct):
+    """The schema of `LoopState.state_dict()` as a checkpoint holds it (every field optional)."""
+
+    step: _Count = 0
+    tokens: _Count = 0
+    elapsed: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    recent: list[float] = []
+    spikes: _Count = 0
+    skip: list[tuple[_Count, _Count]] = []
+    skipped: _Count = 0
 
 
 class LoopState:
@@ -47,6 +64,14 @@ class LoopState:
         """The fields as JSON-able data (reads `tokens` from the device: call between steps)."""
         return {"step": self.step, "tokens": int(self.tokens), "elapsed": self.elapsed, "recent": list(self.recent),
                 "spikes": self.spikes, "skip": [list(r) for r in self.skip], "skipped": self.skipped}
+
+    @staticmethod
+    def check(path: Path, manifest: Any) -> None:
+        """Refuse (CheckpointError naming the manifest) a saved loop state that would not load."""
+        try:
+            msgspec.convert(manifest.metadata.get("trainer", {}), _SavedLoop)
+        except (msgspec.ValidationError, AttributeError) as e:
+            raise CheckpointError(f"{path / MANIFEST}: metadata.trainer: {e}") from None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The fields from `state_dict()`'s data; a field it lacks (an older checkpoint) starts afresh."""
@@ -73,7 +98,7 @@ def save(t: Any) -> Path | None:
 def restore(t: Any) -> Checkpoint | None:
     """Load the newest checkpoint that loads into `t`'s model, state and loop, in place; None when none does."""
     params = t.params()
-    c = t.checkpoints.restore(params_like=params, opt_state_like=t.opt_state, ema_like=t.ema)
+    c = t.checkpoints.restore(params_like=params, opt_state_like=t.opt_state, ema_like=t.ema, check=LoopState.check)
     if c is None:
         return None
     # Into the tensors the compiled, donated update already holds.
@@ -125,7 +150,11 @@ def open_run(t: Any, resume: bool) -> bool:
                 log(f"resumed from {checkpoint_dir(t.out, t.step)} at step {t.step}")
                 for message in changes:
                     log(f"resume: {message}")
-                if t.finished():
+                budget = t.config.time_budget
+                if budget is not None and t.elapsed >= budget and t.step < t.config.steps:
+                    log(f"nothing to do: the run spent its time_budget ({t.elapsed:.0f} of {budget:g} s) at step "
+                        f"{t.step}; pass a larger --set time_budget=... to train on")
+                elif t.finished():
                     log(f"nothing to do: the run finished at step {t.step} (steps={t.config.steps}); "
                         "pass a larger --steps to train on")
             if t.finished():

@@ -90,6 +90,13 @@ def run(cfg: TrainConfig, out: Path | None, *, resume: bool, sample: bool = Fals
 # --------------------------------------------------------------------------- #
 
 
+def _number(value: Any) -> float:
+    """A metric as a float for plotting; a non-finite one ("nan", "inf", written as names) or a missing one is a gap."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return math.nan
+    return float(value) if math.isfinite(value) else math.nan
+
+
 def plot(run_dir: Path, png: Path | None = None) -> Path:
     """Draw loss (and validation loss), lr and grad norm against step into a PNG."""
     import matplotlib
@@ -105,16 +112,16 @@ def plot(run_dir: Path, png: Path | None = None) -> Path:
     events = [r for r in records if "event" in r]
     fig, axes = plt.subplots(3, 1, figsize=(7, 8), sharex=True)
     steps = [r["step"] for r in train]
-    axes[0].plot(steps, [r["loss"] for r in train], label="train")
+    axes[0].plot(steps, [_number(r["loss"]) for r in train], label="train")
     if val:
-        axes[0].plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="validation")
+        axes[0].plot([r["step"] for r in val], [_number(r["val_loss"]) for r in val], "o-", label="validation")
     for r in events:
         axes[0].axvline(r["step"], color="red", alpha=0.3, lw=1)
     axes[0].set_ylabel("loss")
     axes[0].legend()
-    axes[1].plot(steps, [r.get("lr") or 0.0 for r in train])
+    axes[1].plot(steps, [_number(r.get("lr")) for r in train])
     axes[1].set_ylabel("lr")
-    axes[2].plot(steps, [r.get("grad_norm") or 0.0 for r in train])
+    axes[2].plot(steps, [_number(r.get("grad_norm")) for r in train])
     axes[2].set_ylabel("grad norm")
     axes[2].set_xlabel("step")
     fig.suptitle(str(run_dir))

@@ -32,9 +32,9 @@ import purestep.core as ps
 from . import _run_dir as run_dir
 from . import distributed as D
 from ._report import MetricsFile, Progress, StopSignals, log
-from .checkpoint import CheckpointManager
+from .checkpoint import CheckpointManager, checkpoint_dir
 from .config import TrainConfig, refuse_ignored
-from .errors import ConfigError
+from .errors import CheckpointError, ConfigError, RunDirError
 from .data import build_data, check_rows, eval_batches, is_step_indexed, to_device, train_batches
 from .models import build_model, lm_loss, peak_flops
 
@@ -210,7 +210,13 @@ class Trainer:
         out = self.loss_fn(self.model, batch)
         if isinstance(out, tuple):
             return out[0], torch.as_tensor(out[1], device=self.world.device)
-        rows = next(t for t in pytree.tree_leaves(batch) if isinstance(t, Tensor)).shape[0]
+        tensors = [t for t in pytree.tree_leaves(batch) if isinstance(t, Tensor) and t.dim()]
+        if not tensors:
+            raise TypeError(
+                f"a batch ({type(batch).__name__}) holds no tensor to count its rows by: have the data yield tensors "
+                "(a collate_fn that returns tensors), or have loss_fn return (loss_sum, tokens)"
+            )
+        rows = tensors[0].shape[0]
         return out * rows, torch.tensor(rows, device=self.world.device)
 
     def _clocks(self) -> list[Tensor]:
@@ -316,7 +322,12 @@ class Trainer:
             total += torch.stack([ls.double(), n.double()])
         self.model.train()
         loss_sum, n = D.all_reduce_sum(total, w).tolist()
-        return loss_sum / max(n, 1.0)
+        if n == 0:
+            raise ValueError(
+                "eval_data: the evaluation ran over no batches (an empty source, or a one-shot iterator used up by an "
+                "earlier evaluation); pass a re-iterable eval_data such as a list or a DataLoader"
+            )
+        return loss_sum / n
 
     # ------------------------------------------------------------------ #
     # Checkpoints.
@@ -391,8 +402,19 @@ class Trainer:
         w, k = self.world, cfg.grad_accum
         start = max([self.loop.step] + [b for a, b in self.loop.skip if a <= self.loop.step])  # batches the source gave out
         self.batches = train_batches(self.data, start, w.rank, w.size, k)
-        since = (time.perf_counter(), float(self.loop.tokens))
         self.model.train()
+        try:
+            self._loop()
+        except RunDirError:  # metrics.jsonl could not be written
+            self._save_before_failing()
+            raise
+        if self.saved_at != self.loop.step:
+            self.save()  # a finished run always has a checkpoint
+        return dict(self.last, step=self.loop.step)
+
+    def _loop(self) -> None:
+        cfg, w = self.config, self.world
+        since = (time.perf_counter(), float(self.loop.tokens))
         with StopSignals(w.main) as stop, contextlib.closing(Progress(self.progress, cfg.steps, self.loop.step)) as bar:
             spent = 0.0
             while not self.finished():
@@ -422,9 +444,6 @@ class Trainer:
                     self.save()
                 if stop.agreed(self.world, due):
                     self._preempted(stop.signum)
-        if self.saved_at != self.loop.step:
-            self.save()  # a finished run always has a checkpoint
-        return dict(self.last, step=self.loop.step)
 
     def _agreed(self, seconds: float) -> float:
         """`seconds` averaged over the ranks (a collective under torchrun)."""
@@ -436,11 +455,29 @@ class Trainer:
     def _preempted(self, signum: int) -> None:
         import signal
 
-        path = self.save() if self.saved_at != self.loop.step else None
+        if self.checkpoints is None:
+            where = "no run directory, nothing saved"
+        else:
+            path = self.save() if self.saved_at != self.loop.step else checkpoint_dir(self.out, self.loop.step)
+            where = f"checkpoint {path}"
         if self.world.main:
-            where = f"checkpoint {path}" if path else "no run directory, nothing saved"
-            log(f"stopped by {signal.Signals(signum).name} at step {self.loop.step}; {where}; resume with --resume / fit(resume=True)")
+            try:  # after SIGHUP the terminal may be gone
+                log(f"stopped by {signal.Signals(signum).name} at step {self.loop.step}; {where}; "
+                    "resume with --resume / fit(resume=True)")
+            except OSError:
+                pass
         raise SystemExit(128 + signum)
+
+    def _save_before_failing(self) -> None:
+        """A last checkpoint when the run directory fails under a single-process run (a full
+        disk stops metrics.jsonl first: checkpoints may still fit). Under torchrun the other
+        ranks are inside a collective, so nothing is attempted."""
+        if self.checkpoints is None or self.world.distributed or self.saved_at == self.loop.step:
+            return
+        try:
+            log(f"checkpoint {self.save()} written before stopping")
+        except (CheckpointError, OSError, RunDirError):
+            pass
 
     def close(self) -> None:
         """Let go of the run directory and leave the process group (under torchrun)."""

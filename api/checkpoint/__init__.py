@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -257,6 +257,7 @@ class CheckpointManager:
                           keep_last=self.keep_last, is_good=self._is_good)
         if self.world.main:
             self._good[path] = read_manifest(path).checksum  # hashed as it was written
+            self._good = {p: c for p, c in self._good.items() if p.is_dir()}  # pruned ones go: bounded by keep_last
             return path
         return None
 
@@ -281,15 +282,19 @@ class CheckpointManager:
         self._good[root] = c.manifest.checksum
         return c
 
-    def restore(self, *, params_like: Any, opt_state_like: Any = None, ema_like: Any = None) -> Checkpoint | None:
+    def restore(self, *, params_like: Any, opt_state_like: Any = None, ema_like: Any = None,
+                check: Callable[[Path, Manifest], None] | None = None) -> Checkpoint | None:
         """The newest checkpoint that loads, for a resume or a rewind; None when none does.
 
         A checkpoint that does not load is reported in one line on stderr, naming it and
-        why, and the next older one is tried.
+        why, and the next older one is tried. `check(path, manifest)` may refuse one more
+        (raising `CheckpointError`) before anything is loaded: the caller's own metadata.
         """
         paths = D.broadcast_object(dirs.candidates(self.folder), self.world)
         for path in paths:
             try:
+                if check is not None:
+                    check(path, read_manifest(path))
                 return self.load(path, params_like=params_like, opt_state_like=opt_state_like, ema_like=ema_like)
             except CheckpointError as e:
                 if self.world.main:

@@ -35,6 +35,7 @@ FILE_NAMES = {
 }
 LAYOUTS = tuple(FILE_NAMES)
 _CHUNK = 1 << 22
+MAX_MANIFEST_BYTES = 1 << 28  # a config, metadata and the key order of every tensor: far below this
 DTYPES = {  # safetensors' dtype codes
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -105,11 +106,13 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
     if not file.exists() and not file.is_symlink():
         raise CheckpointError(f"{file}: missing; {Path(path)} is not a complete checkpoint")
     data = _read_all(file)
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CheckpointError(f"{file}: {len(data)} bytes; a manifest is at most {MAX_MANIFEST_BYTES}")
     try:
         manifest = msgspec.json.decode(data, type=Manifest)
-    except msgspec.DecodeError as e:
-        raise CheckpointError(f"{file}: unreadable manifest ({e})") from None
-    body = msgspec.json.encode(msgspec.structs.replace(manifest, checksum=""))
+        body = msgspec.json.encode(msgspec.structs.replace(manifest, checksum=""))
+    except (msgspec.DecodeError, msgspec.EncodeError, UnicodeError, RecursionError, ValueError) as e:
+        raise CheckpointError(f"{file}: unreadable manifest ({type(e).__name__}: {e})") from None
     if hashlib.sha256(body).hexdigest() != manifest.checksum:
         raise CheckpointError(f"{file}: checksum mismatch; the manifest was changed after it was written")
     if manifest.format != FORMAT:
@@ -133,7 +136,12 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
 def _open_regular(file: Path) -> int:
     """A read-only descriptor of `file`, which must be a regular file and not a symlink."""
     try:
-        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        if not stat.S_ISREG(os.lstat(file).st_mode):  # before open: opening a named pipe blocks
+            kind = "a symlink" if os.path.islink(file) else "not a regular file"
+            if kind == "a symlink":
+                raise CheckpointError(f"{file}: is a symlink; a checkpoint's files must be inside its directory")
+            raise CheckpointError(f"{file}: not a regular file")
+        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         raise CheckpointError(f"{file}: missing (the manifest lists it)") from None
     except OSError as e:

@@ -33,7 +33,7 @@ from purestep.core._base import check_int
 
 from .. import distributed as D
 from ..errors import CheckpointError
-from ._format import GROUPS, MANIFEST, Manifest, encode_manifest, fsync_dir, read_manifest
+from ._format import DTYPES, GROUPS, MANIFEST, Manifest, encode_manifest, fsync_dir, read_manifest
 from ._format import read_tensors, reason, unwrap, verify_file, write_bytes, write_tensors
 from ._reader import Whole, assemble, read_into
 
@@ -65,8 +65,7 @@ class Checkpoint(NamedTuple):
                 if key.startswith("torch.cuda.") and int(key.rsplit(".", 1)[1]) < torch.cuda.device_count():
                     torch.cuda.set_rng_state(state, int(key.rsplit(".", 1)[1]))
         if self.manifest.python_rng is not None:
-            version, internal, gauss = self.manifest.python_rng
-            random.setstate((version, tuple(internal), gauss))
+            random.setstate(_python_state(self.manifest.python_rng))
 
 
 def verify_checkpoint(path: str | os.PathLike) -> Manifest:
@@ -140,6 +139,9 @@ def save(final: Path, trees: tuple[Any, Any, Any], *, step: int, world: D.World,
     return final
 
 
+_SAVABLE = frozenset(DTYPES.values())
+
+
 def _flat_state(trees: tuple[Any, Any, Any]) -> tuple[dict[str, Tensor], dict[str, list[str]]]:
     """`group.path -> tensor` for every leaf (DTensors stay DTensors), and each group's paths in order."""
     state: dict[str, Tensor] = {}
@@ -156,6 +158,11 @@ def _flat_state(trees: tuple[Any, Any, Any]) -> tuple[dict[str, Tensor], dict[st
                 )
             if f"{group}.{path}" in state:
                 raise ValueError(f"{group} has two leaves at path '{path}'")
+            if leaf.dtype not in _SAVABLE:
+                raise ValueError(
+                    f"{group} leaf '{path}' has dtype {leaf.dtype}, which a checkpoint cannot hold (it would save but "
+                    f"never load); keep it in one of {sorted(str(d).removeprefix('torch.') for d in _SAVABLE)}"
+                )
             state[f"{group}.{path}"] = leaf.detach()
             order[group].append(path)
     return state, order
@@ -191,6 +198,31 @@ def _rng_tensors() -> dict[str, Tensor]:
         for i, state in enumerate(torch.cuda.get_rng_state_all()):
             out[f"torch.cuda.{i}"] = state
     return out
+
+
+def _python_state(saved: Any) -> tuple:
+    version, internal, gauss = saved
+    return version, tuple(internal), gauss
+
+
+def check_rng(root: Path, manifest: Manifest, rng: dict[str, Tensor]) -> None:
+    """Refuse (CheckpointError naming the file) generator states that would not load, before anything is applied."""
+    try:
+        if manifest.python_rng is not None:
+            random.Random().setstate(_python_state(manifest.python_rng))
+    except (TypeError, ValueError, OverflowError) as e:
+        raise CheckpointError(f"{root / MANIFEST}: python_rng is not a random-module state ({e})") from None
+    for key, state in rng.items():
+        try:
+            if key != "torch.cpu" and not key.startswith("torch.cuda."):
+                raise ValueError("not a generator this purestep saves")
+            int(key.rsplit(".", 1)[1]) if key.startswith("torch.cuda.") else None
+            if key == "torch.cpu":
+                torch.Generator().set_state(state)
+            elif state.dtype != torch.uint8 or state.dim() != 1:
+                raise ValueError(f"a {state.dtype} tensor of shape {tuple(state.shape)}, not a byte vector")
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"{root / 'rng.safetensors'}: '{key}' is not a generator state ({e})") from None
 
 
 def _python_rng() -> list[Any]:
@@ -233,13 +265,14 @@ def load(root: Path, likes: tuple[Any, Any, Any], names: tuple[str, str, str], w
         manifest = read_manifest(root)
         wholes = assemble(root, _LAYOUT[manifest.layout].chunks(root, manifest))
         state, plan = _targets(root, manifest, wholes, likes, names, flat, device)
+        rng = read_tensors(root / "rng.safetensors") if "rng.safetensors" in manifest.files else {}
+        check_rng(root, manifest, rng)  # before anything is read into place
     except CheckpointError as e:
         problem = str(e)
     problem = D.agree(problem, world)
     if problem is not None:
         raise CheckpointError(problem)
     read_into(root, {fqn: wholes[fqn] for fqn in state}, state, distributed=world.size > 1)
-    rng = read_tensors(root / "rng.safetensors") if "rng.safetensors" in manifest.files else {}
     trees = []
     for group, present, paths, spec in plan:
         leaves = [state[f"{group}.{p}"] for p in paths]

@@ -60,7 +60,7 @@ def assemble(root: Path, chunks: list[Chunk]) -> dict[str, Whole]:
                 raise CheckpointError(f"{root / c.file}: '{c.key}' has a negative offset {list(c.offsets)}")
         shape = tuple(max(c.offsets[d] + c.shape[d] for c in parts) for d in range(len(first.shape)))
         covered = sum(math.prod(c.shape) for c in parts)
-        overlap = next(((a, b) for i, a in enumerate(parts) for b in parts[i + 1:] if _overlap(a, b)), None)
+        overlap = _first_overlap(parts)
         if overlap is not None or covered != math.prod(shape):
             culprit = overlap[1] if overlap is not None else parts[-1]
             raise CheckpointError(
@@ -69,6 +69,26 @@ def assemble(root: Path, chunks: list[Chunk]) -> dict[str, Whole]:
             )
         out[fqn] = Whole(shape, first.dtype, parts)
     return out
+
+
+def _first_overlap(parts: list[Chunk]) -> tuple[Chunk, Chunk] | None:
+    """Two pieces that overlap, found by a sweep along the dimension where the pieces' offsets
+    differ most: sorted by it, each piece is compared with the earlier ones still open there
+    only (one for row shards), so a load of N pieces costs N log N, not N² pairs."""
+    live = [c for c in parts if math.prod(c.shape)]
+    if len(live) < 2:
+        return None
+    if not live[0].shape:
+        return live[0], live[1]
+    d = max(range(len(live[0].shape)), key=lambda k: len({c.offsets[k] for c in live}))
+    open_: list[Chunk] = []
+    for c in sorted(live, key=lambda c: c.offsets[d]):
+        open_ = [a for a in open_ if a.offsets[d] + a.shape[d] > c.offsets[d]]
+        hit = next((a for a in open_ if _overlap(a, c)), None)
+        if hit is not None:
+            return hit, c
+        open_.append(c)
+    return None
 
 
 def _overlap(a: Chunk, b: Chunk) -> bool:

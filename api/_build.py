@@ -30,6 +30,8 @@ def _public(name: str, what: str, field: str) -> Any:
 
 
 def _argument(name: str, value: Any, field: str) -> Any:
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 1 << 63:
+        raise ConfigError(field, f"{value} is out of range (|value| < 2**63)")
     if isinstance(value, list):
         return tuple(_argument(name, v, field) for v in value)
     if isinstance(value, str) and (name in ("mask", "labels") or name.endswith(("_mask", "_labels"))):

@@ -16,6 +16,7 @@ import msgspec
 from .errors import ConfigError
 
 MAX_YAML_NODES = 100_000
+MAX_CONFIG_BYTES = 1 << 20  # checked before parsing: a config is a few hundred bytes
 
 
 def _yaml_loader() -> Any:
@@ -56,7 +57,20 @@ def _expanded_size(node: Any, sizes: dict[int, int], open_: set[int]) -> int:
     return size
 
 
+def _count_events(data: bytes) -> None:
+    """Refuse a document of more than `MAX_YAML_NODES` nodes before any node is built (parse events are cheap)."""
+    import yaml
+
+    count = 0
+    for event in yaml.parse(data, Loader=_yaml_loader()):
+        if isinstance(event, (yaml.ScalarEvent, yaml.MappingStartEvent, yaml.SequenceStartEvent, yaml.AliasEvent)):
+            count += 1
+            if count > MAX_YAML_NODES:
+                raise ValueError(f"more than {MAX_YAML_NODES:,} values; a config needs no such thing")
+
+
 def _read_yaml(data: bytes) -> Any:
+    _count_events(data)
     loader = _yaml_loader()(data)
     try:
         node = loader.get_single_node()
@@ -68,6 +82,19 @@ def _read_yaml(data: bytes) -> Any:
         loader.dispose()
 
 
+def _string_keys(data: Any, path: Path, where: str = "") -> Any:
+    """`data`, refused (naming the table) where a table has a key that is not a string (YAML's `1: 2`)."""
+    if isinstance(data, dict):
+        for key, value in data.items():
+            if not isinstance(key, str):
+                raise ConfigError(where, f"unknown field {key!r} (a key must be a name, not {type(key).__name__})", str(path))
+            _string_keys(value, path, f"{where}.{key}" if where else key)
+    elif isinstance(data, list):
+        for item in data:
+            _string_keys(item, path, where)
+    return data
+
+
 def read_config_file(path: Path) -> Any:
     """The plain data in a `.toml`, `.yaml`/`.yml` or `.json` config file."""
     if not path.is_file():
@@ -76,12 +103,16 @@ def read_config_file(path: Path) -> Any:
     if suffix not in (".toml", ".yaml", ".yml", ".json"):
         raise ConfigError("", f"unknown config format {suffix!r}; use .toml, .yaml, .yml or .json", str(path))
     try:
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError("", f"{path.stat().st_size:,} bytes; a config file is at most {MAX_CONFIG_BYTES:,}", str(path))
         data = path.read_bytes()
         if suffix == ".toml":
-            return msgspec.toml.decode(data)
+            return _string_keys(msgspec.toml.decode(data), path)
         if suffix == ".json":
-            return msgspec.json.decode(data)
-        return _read_yaml(data)
+            return _string_keys(msgspec.json.decode(data), path)
+        return _string_keys(_read_yaml(data), path)
+    except ConfigError:
+        raise
     except OSError as e:
         raise ConfigError("", f"cannot read: {e.strerror}", str(path)) from None
     except Exception as e:  # each parser has its own error type

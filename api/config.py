@@ -23,6 +23,7 @@ from ._config_files import read_config_file
 from .errors import ConfigError as ConfigError
 
 PositiveInt = Annotated[int, Meta(ge=1)]
+Size = Annotated[int, Meta(ge=1, le=1 << 31)]  # a model dimension: beyond this no tensor of it can be allocated
 NonNegativeInt = Annotated[int, Meta(ge=0)]
 NonNegativeFloat = Annotated[float, Meta(ge=0)]
 
@@ -68,11 +69,11 @@ class ModelConfig(_Section):
     """`[model]`: the byte-level GPT of `purestep.api.models` (`kwargs`: more `GPT` arguments)."""
 
     name: str = "gpt"
-    vocab_size: PositiveInt = 256
-    block_size: PositiveInt = 128
-    n_layer: PositiveInt = 4
-    n_head: PositiveInt = 4
-    n_embd: PositiveInt = 128
+    vocab_size: Size = 256
+    block_size: Size = 128
+    n_layer: Size = 4
+    n_head: Size = 4
+    n_embd: Size = 128
     dropout: Annotated[float, Meta(ge=0, lt=1)] = 0.0
     kwargs: dict[str, Any] = {}
 
@@ -125,7 +126,7 @@ class TrainConfig(_Section):
     """
 
     steps: PositiveInt = 1000
-    seed: int = 0
+    seed: Annotated[int, Meta(ge=0, lt=1 << 32)] = 0
     batch_size: PositiveInt = 32
     grad_accum: PositiveInt = 1
     checkpoint_every: NonNegativeInt = 0
@@ -272,6 +273,8 @@ def _set(data: dict[str, Any], override: str) -> None:
         if last:
             node[part] = _parse_value(text.strip(), tp)
             return
+        if not isinstance(node.get(part), dict):  # an earlier override made it null or a number
+            raise ConfigError(here, f"is {node.get(part)!r}, not a table, so {key} cannot be set; set the whole table")
         if _is_struct(tp):
             node, cls = node[part], tp
             continue

@@ -211,9 +211,20 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return torch.utils._pytree.tree_map(move, batch)
 
 
+def batch_rows(batch: Any) -> int:
+    """The rows of a batch: the first dimension of its first tensor (a `TypeError` when it holds none)."""
+    for t in torch.utils._pytree.tree_leaves(batch):
+        if isinstance(t, Tensor) and t.dim():
+            return t.shape[0]
+    raise TypeError(
+        f"a batch ({type(batch).__name__}) holds no tensor to count its rows by: have the data yield tensors "
+        "(a collate_fn that returns tensors), or have loss_fn return (loss_sum, tokens)"
+    )
+
+
 def check_rows(micro: list[Any], world: int, batch_size: int) -> bool:
     """A `ConfigError` naming `batch_size` unless the micro-batches of a step, on every rank, hold that many rows."""
-    rows = next(t for t in torch.utils._pytree.tree_leaves(micro[0]) if isinstance(t, Tensor)).shape[0]
+    rows = batch_rows(micro[0])
     given = rows * len(micro) * world
     if given != batch_size:
         raise ConfigError("batch_size", f"{batch_size}, but the data gives {given} rows a step "

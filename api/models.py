@@ -162,5 +162,5 @@ def build_model(section: Any) -> GPT:
     try:
         return GPT(vocab_size=section.vocab_size, dim=section.n_embd, n_layers=section.n_layer, n_heads=section.n_head,
                    seq_len=section.block_size, **section.kwargs)
-    except (TypeError, ValueError) as e:
-        raise ConfigError("model.kwargs" if section.kwargs else "model", str(e)) from None
+    except (TypeError, ValueError, RuntimeError) as e:  # RuntimeError: a size no tensor can take
+        raise ConfigError("model.kwargs" if section.kwargs else "model", " ".join(str(e).split())) from None

@@ -35,7 +35,7 @@ from ._report import MetricsFile, Progress, StopSignals, log
 from .checkpoint import CheckpointManager, checkpoint_dir
 from .config import TrainConfig, refuse_ignored
 from .errors import CheckpointError, ConfigError, RunDirError
-from .data import build_data, check_rows, eval_batches, is_step_indexed, to_device, train_batches
+from .data import batch_rows, build_data, check_rows, eval_batches, is_step_indexed, to_device, train_batches
 from .models import build_model, lm_loss, peak_flops
 
 
@@ -210,13 +210,7 @@ class Trainer:
         out = self.loss_fn(self.model, batch)
         if isinstance(out, tuple):
             return out[0], torch.as_tensor(out[1], device=self.world.device)
-        tensors = [t for t in pytree.tree_leaves(batch) if isinstance(t, Tensor) and t.dim()]
-        if not tensors:
-            raise TypeError(
-                f"a batch ({type(batch).__name__}) holds no tensor to count its rows by: have the data yield tensors "
-                "(a collate_fn that returns tensors), or have loss_fn return (loss_sum, tokens)"
-            )
-        rows = tensors[0].shape[0]
+        rows = batch_rows(batch)
         return out * rows, torch.tensor(rows, device=self.world.device)
 
     def _clocks(self) -> list[Tensor]:

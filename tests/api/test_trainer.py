@@ -363,7 +363,7 @@ def test_sigkill_mid_run_then_resume_is_bit_identical(tmp_path, whole_run):
     assert steps == sorted(steps) and steps[-1] == 40  # nothing logged twice after the rewind to the checkpoint
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=["SIGTERM", "Ctrl-C", "SIGHUP"])
 def test_a_stop_signal_saves_the_step_reached_and_exits_cleanly(tmp_path, whole_run, sig):
     proc = worker(tmp_path, 40)
     wait_for(tmp_path / "metrics.jsonl", proc, lines=6)

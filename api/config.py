@@ -273,13 +273,13 @@ def _set(data: dict[str, Any], override: str) -> None:
         if last:
             node[part] = _parse_value(text.strip(), tp)
             return
+        if not _is_struct(tp) and typing.get_origin(tp) is not dict:
+            raise ConfigError(key, f"{here} is a value, not a table")
         if not isinstance(node.get(part), dict):  # an earlier override made it null or a number
             raise ConfigError(here, f"is {node.get(part)!r}, not a table, so {key} cannot be set; set the whole table")
         if _is_struct(tp):
             node, cls = node[part], tp
             continue
-        if typing.get_origin(tp) is not dict:
-            raise ConfigError(key, f"{here} is a value, not a table")
         node[part][".".join(parts[i + 1 :])] = _parse_value(text.strip(), Any)  # a kwargs entry
         return
 

@@ -56,6 +56,10 @@ from ._optimizers import sophia as sophia
 from ._muon import ScaleByMuonState as ScaleByMuonState
 from ._muon import muon_labels as muon_labels
 from ._muon import scale_by_muon as scale_by_muon
+from ._normuon import ScaleByNorMuonState as ScaleByNorMuonState
+from ._normuon import normuon as normuon
+from ._normuon import normuon_adamw as normuon_adamw
+from ._normuon import scale_by_normuon as scale_by_normuon
 from ._precision import CompensatedUpdatesState as CompensatedUpdatesState
 from ._precision import QuantizedTensor as QuantizedTensor
 from ._precision import compensated_updates as compensated_updates
@@ -213,12 +217,16 @@ __all__ = [
     "schedule_free_adamw",
     "sophia",
     "scale_by_muon",
+    "normuon",
+    "normuon_adamw",
+    "scale_by_normuon",
     "muon_labels",
     "schedule_free",
     "schedule_free_eval_params",
     "scale_by_sophia",
     "gnb_hessian",
     "ScaleByMuonState",
+    "ScaleByNorMuonState",
     "ScheduleFreeState",
     "ScaleBySophiaState",
     # low precision

@@ -20,7 +20,8 @@ from tests.registry import TRANSFORMS
 
 # State that is not shaped like the params (a zero-size buffer per float64 param) is laid
 # out per leaf: planning says so instead of packing.
-PER_LEAF = {"compensated_updates"}
+PER_LEAF = {"compensated_updates", "normuon", "scale_by_normuon"}  # NorMuon: a second moment per row
+SOMETIMES_PER_LEAF = {"normuon_adamw"}  # per leaf when a matrix goes to NorMuon, packed when none does
 RTOL, ATOL = TOLERANCES[torch.float64]
 
 
@@ -40,7 +41,13 @@ def test_packed_buffers_give_the_per_leaf_results(name, data):
         with pytest.raises(_flat.Regroup):
             _flat.plan(opt, params)
         return
-    shell = _flat.Packed(_flat.plan(opt, params), [])
+    try:
+        spec = _flat.plan(opt, params)
+    except _flat.Regroup:
+        if name in SOMETIMES_PER_LEAF:
+            return
+        raise
+    shell = _flat.Packed(spec, [])
     pack = lambda tree: _flat.pack_like(shell, tree)  # noqa: E731
     state, packed_state = opt.init(params), opt.init(pack(params))
     for step in range(3):

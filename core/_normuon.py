@@ -1,0 +1,215 @@
+"""NorMuon: Muon's orthogonalized momentum, normalized per neuron by a second moment.
+
+The update rule is written once, on `normuon` below; `scale_by_normuon` is the block.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from . import _layout as lay
+from . import _lists as ls
+from ._base import (
+    Params,
+    ScalarOrSchedule,
+    Transform,
+    check_hyperparam,
+    check_nonnegative,
+    check_positive,
+    leaf_device,
+    resolve,
+    zero_count,
+)
+from ._combine import chain, partition
+from ._decay import add_decayed_weights
+from ._muon import NS5_COEFFICIENTS, Coefficients, _check_matrices, _coefficient_schedule, check_muon_args
+from ._muon import muon_labels, orthogonalize_leaves
+from ._optimizers import adamw
+from ._scaling import scale_by_lr
+
+_NS_EPS = 1e-7  # the Newton-Schulz normalization's, as scale_by_muon's default
+
+
+class ScaleByNorMuonState(NamedTuple):
+    """State of `scale_by_normuon`: the momentum (like the params) and, per matrix, the
+    second moment of each row (neuron) of the orthogonalized update, (rows,) in float32
+    (float64 for float64 params)."""
+
+    count: Tensor  # (), int64
+    mu: Params
+    nu: Params
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    """float32 for low-precision leaves, float64 for float64 ones: the normalization's dtype."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _rows(x: Tensor) -> tuple[int, int]:
+    return x.shape[0], math.prod(x.shape[1:])
+
+
+def scale_by_normuon(
+    momentum: ScalarOrSchedule = 0.95,
+    beta2: ScalarOrSchedule = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    *,
+    ns_coefficients: Coefficients = NS5_COEFFICIENTS,
+    ns_dtype: torch.dtype = torch.bfloat16,
+    eps: float = 1e-10,
+    emulate_bf16: bool | None = None,
+) -> Transform:
+    """NorMuon's normalized, orthogonalized momentum; see `normuon` for the rule.
+
+    Every leaf must have >= 2 dims; a leaf of shape (A, ...) is an A × prod(rest) matrix
+    whose A rows are the neurons. The second moment is per row, so the state is not shaped
+    like the params: `make_update` runs this block per leaf (compiled per leaf with
+    `compile=True`; under FSDP2, on the whole DTensor leaves), not on flat buffers.
+
+    Example:
+        >>> import torch, purestep.core as ps
+        >>> t = ps.scale_by_normuon(ns_dtype=torch.float32)
+        >>> g = {"w": torch.eye(3)}
+        >>> u, s = t.update(g, t.init(g))
+        >>> tuple(s.nu["w"].shape), round(float(u["w"].square().mean().sqrt()), 3)
+        ((3,), 0.2)
+    """
+    for name, value in (("momentum", momentum), ("beta2", beta2)):
+        check_hyperparam(name, value)
+        check_nonnegative(name, value)
+    check_muon_args(ns_steps, ns_coefficients, ns_dtype, "original", _NS_EPS)
+    check_positive("eps", eps)
+    coefficients, safety = _coefficient_schedule(ns_coefficients, ns_steps)
+    if emulate_bf16 is not None and not isinstance(emulate_bf16, bool):
+        raise ValueError(f"emulate_bf16 must be True, False or None, got {emulate_bf16!r}")
+
+    def init(params: Params) -> ScaleByNorMuonState:
+        lay.whole_leaves(params)  # per-row statistics and a norm per matrix
+        _check_matrices(params, "params")
+        leaves = pytree.tree_leaves(params)
+        mu = pytree.tree_map(torch.zeros_like, params)
+        nu = pytree.tree_map(lambda p: torch.zeros(p.shape[0], dtype=_wide(p.dtype), device=p.device), params)
+        return ScaleByNorMuonState(zero_count(leaf_device(leaves)), mu, nu)
+
+    def update(grads, state, params=None, **extra):
+        _check_matrices(grads, "grads")
+        gs, spec = pytree.tree_flatten(grads)
+        mu, nu = pytree.tree_leaves(state.mu), pytree.tree_leaves(state.nu)
+        beta, b2 = resolve(momentum, state.count), resolve(beta2, state.count)
+        mu = ls.cast_like(ls.ema(mu, gs, beta), mu)  # m ← β·m + (1-β)·g
+        src = ls.cast_like(ls.ema(gs, mu, 1.0 - beta), gs) if nesterov else mu  # m̃ = (1-β)·g + β·m
+        ortho = orthogonalize_leaves(src, coefficients, safety, _NS_EPS, ns_dtype, emulate_bf16)
+        out, new_nu = [], []
+        for o, v, g in zip(ortho, nu, gs):
+            rows, cols = _rows(o)
+            o2 = o.reshape(rows, cols).to(_wide(o.dtype))
+            v = v * b2 + o2.square().mean(dim=1) * (1.0 - b2)  # v ← β₂·v + (1-β₂)·mean_cols(O²)
+            normed = o2 / (v.sqrt() + eps).unsqueeze(1)  # Ô = O / (√v + ε), per row
+            scale = 0.2 * math.sqrt(rows * cols) / (torch.linalg.vector_norm(normed) + eps)
+            out.append((normed * scale).reshape(g.shape).to(g.dtype))  # RMS 0.2, as AdamW's
+            new_nu.append(v)
+        mu_tree = pytree.tree_unflatten(mu, pytree.tree_structure(state.mu))
+        nu_tree = pytree.tree_unflatten(new_nu, pytree.tree_structure(state.nu))
+        return pytree.tree_unflatten(out, spec), ScaleByNorMuonState(state.count + 1, mu_tree, nu_tree)
+
+    return Transform(init, update)
+
+
+def normuon(
+    lr: ScalarOrSchedule = 0.02,
+    momentum: ScalarOrSchedule = 0.95,
+    beta2: ScalarOrSchedule = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    weight_decay: ScalarOrSchedule = 0.0,
+    ns_dtype: torch.dtype = torch.bfloat16,
+    ns_coefficients: Coefficients = NS5_COEFFICIENTS,
+    eps: float = 1e-10,
+    *,
+    emulate_bf16: bool | None = None,
+) -> Transform:
+    """NorMuon (Li et al. 2025): Muon with a per-neuron second moment.
+
+    For each matrix W (m × n, a leaf of shape (m, ...) seen as m × prod(rest)):
+
+        m ← β·m + (1-β)·g;   m̃ = (1-β)·g + β·m (nesterov) or m
+        O = NS(m̃)                                  Muon's orthogonalization
+        v ← β₂·v + (1-β₂)·mean_cols(O²)              one value per row (neuron)
+        Ô = O / (√v + ε)                             per row
+        W ← W − η·λ·W − η · 0.2·√(mn) / ‖Ô‖_F · Ô
+
+    so every matrix's update has an RMS of 0.2·η, AdamW's (Moonlight's matching), and rows
+    whose orthogonalized momentum is large are damped. No bias correction (as the paper).
+
+    Args:
+      lr: η. momentum: β. beta2: β₂. nesterov, ns_steps, ns_dtype, ns_coefficients,
+        emulate_bf16: as `muon`. weight_decay: λ, decoupled.
+      eps: ε of the per-row normalization (1e-10, the authors' code).
+
+    Warning:
+        Leaves with fewer than 2 dims raise: use `normuon_adamw`. The per-row state is not
+        shaped like the params, so the step runs per leaf, not on flat buffers (see
+        `scale_by_normuon`).
+
+    Example:
+        >>> import torch, purestep.core as ps
+        >>> opt = ps.normuon(lr=0.1, ns_dtype=torch.float32)
+        >>> params = {"w": torch.zeros(2, 2)}
+        >>> updates, _ = opt.update({"w": torch.eye(2)}, opt.init(params), params)
+        >>> bool(updates["w"].diag().lt(-0.01).all())
+        True
+
+    References:
+        Li et al., NorMuon: Making Muon more efficient and scalable, 2025 (arXiv 2510.05491).
+    """
+    check_hyperparam("lr", lr)
+    check_nonnegative("lr", lr)
+    block = scale_by_normuon(
+        momentum, beta2, nesterov, ns_steps, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, eps=eps,
+        emulate_bf16=emulate_bf16,
+    )
+    return chain(block, add_decayed_weights(weight_decay), scale_by_lr(lr))
+
+
+def normuon_adamw(
+    lr: ScalarOrSchedule = 0.02,
+    momentum: ScalarOrSchedule = 0.95,
+    beta2: ScalarOrSchedule = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    weight_decay: ScalarOrSchedule = 0.01,
+    ns_dtype: torch.dtype = torch.bfloat16,
+    ns_coefficients: Coefficients = NS5_COEFFICIENTS,
+    *,
+    adamw_lr: ScalarOrSchedule = 3e-4,
+    adamw_betas: tuple[ScalarOrSchedule, ScalarOrSchedule] = (0.9, 0.95),
+    adamw_eps: float = 1e-10,
+    adamw_weight_decay: ScalarOrSchedule = 0.01,
+    labels: Any = muon_labels,
+    emulate_bf16: bool | None = None,
+) -> Transform:
+    """The hybrid of `muon_adamw` with NorMuon on the hidden matrices: `partition({"muon":
+    normuon(...), "adamw": adamw(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay)},
+    labels)`, routed by `muon_labels` (embeddings, output head, norms, biases → AdamW).
+
+    Example:
+        >>> import torch, purestep.core as ps
+        >>> opt = ps.normuon_adamw()
+        >>> params = {"h.0.weight": torch.zeros(4, 4), "h.0.bias": torch.zeros(4)}
+        >>> sorted(opt.init(params).inner_states["muon"][0].nu)
+        ['h.0.weight']
+    """
+    return partition(
+        {
+            "muon": normuon(lr, momentum, beta2, nesterov, ns_steps, weight_decay, ns_dtype, ns_coefficients,
+                            emulate_bf16=emulate_bf16),
+            "adamw": adamw(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay),
+        },
+        labels,
+    )

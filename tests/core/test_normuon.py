@@ -1,0 +1,105 @@
+"""NorMuon against a plain per-matrix reference of the paper's rule, compiled and in the Trainer."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import purestep.core as ps
+from purestep.api import TrainConfig, apply_overrides
+
+
+def _ns5(x: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """Keller Jordan's quintic Newton-Schulz on one matrix, in float64."""
+    a, b, c = (3.4445, -4.7750, 2.0315)
+    flip = x.shape[0] > x.shape[1]
+    x = x.T if flip else x
+    x = x / x.norm().clamp(min=1e-7)
+    for _ in range(steps):
+        g = x @ x.T
+        x = a * x + (b * g + c * g @ g) @ x
+    return x.T if flip else x
+
+
+def reference(params, grads_per_step, lr, momentum=0.95, beta2=0.95, wd=0.0, eps=1e-10, nesterov=True):
+    """The rule of Li et al. 2025 (arXiv 2510.05491, Algorithm 1) written out per matrix."""
+    params = {k: v.clone() for k, v in params.items()}
+    m = {k: torch.zeros_like(v) for k, v in params.items()}
+    v = {k: torch.zeros(p.shape[0], dtype=p.dtype) for k, p in params.items()}
+    for grads in grads_per_step:
+        for k, p in params.items():
+            g = grads[k]
+            m[k] = momentum * m[k] + (1 - momentum) * g
+            src = (1 - momentum) * g + momentum * m[k] if nesterov else m[k]
+            rows, cols = p.shape[0], math.prod(p.shape[1:])
+            o = _ns5(src.reshape(rows, cols))
+            v[k] = beta2 * v[k] + (1 - beta2) * (o * o).mean(dim=1)
+            o_hat = o / (v[k].sqrt() + eps)[:, None]
+            step = 0.2 * math.sqrt(rows * cols) / (o_hat.norm() + eps) * o_hat
+            params[k] = p - lr * wd * p - lr * step.reshape(p.shape)
+    return params
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_normuon_follows_the_papers_rule_over_many_steps(nesterov):
+    gen = torch.Generator().manual_seed(0)
+    params = {"a": torch.randn(6, 4, generator=gen, dtype=torch.float64),
+              "b": torch.randn(3, 7, generator=gen, dtype=torch.float64),
+              "conv": torch.randn(4, 2, 3, generator=gen, dtype=torch.float64)}
+    grads = [{k: torch.randn(v.shape, generator=gen, dtype=torch.float64) for k, v in params.items()} for _ in range(30)]
+    opt = ps.normuon(0.05, weight_decay=0.1, ns_dtype=torch.float64, nesterov=nesterov)
+    state, ours = opt.init(params), dict(params)
+    for g in grads:
+        u, state = opt.update(g, state, ours)
+        ours = ps.apply_updates(ours, u)
+    want = reference(params, grads, 0.05, wd=0.1, nesterov=nesterov)
+    for k in params:
+        torch.testing.assert_close(ours[k], want[k], rtol=1e-9, atol=1e-10)
+        assert (ours[k] - params[k]).abs().max() > 0.1  # it moved: the comparison can fail
+    assert state[0].nu["conv"].shape == (4,) and state[0].count == 30
+
+
+def test_each_matrix_update_has_rms_0_2_and_rows_with_large_momentum_are_damped():
+    g = {"w": torch.ones(4, 8, dtype=torch.float64) * torch.tensor([[10.0], [1.0], [1.0], [1.0]], dtype=torch.float64)
+         + torch.randn(4, 8, dtype=torch.float64) * 0.1}
+    t = ps.scale_by_normuon(ns_dtype=torch.float64)
+    u, _ = t.update(g, t.init(g))
+    torch.testing.assert_close(u["w"].square().mean().sqrt(), torch.tensor(0.2, dtype=torch.float64))
+    plain, _ = ps.scale_by_muon(ns_dtype=torch.float64).update(g, ps.scale_by_muon().init(g))
+    row_rms = lambda x: x.square().mean(dim=1).sqrt()  # noqa: E731
+    ratio = row_rms(u["w"]) / row_rms(plain["w"])
+    assert float(ratio.max() / ratio.min()) < float(row_rms(plain["w"]).max() / row_rms(plain["w"]).min()) * 10
+
+
+def test_normuon_adamw_routes_like_muon_adamw_and_compiles_once_equal_to_eager():
+    torch.manual_seed(0)
+    params = {"h.0.weight": torch.randn(8, 16), "h.1.weight": torch.randn(16, 8), "h.0.bias": torch.zeros(8),
+              "wte.weight": torch.randn(10, 8)}
+    opt = ps.inject_hyperparams(ps.normuon_adamw)(lr=0.02, ns_dtype=torch.float32)
+    state = opt.init(params)
+    assert sorted(state.inner_state.inner_states["muon"][0].nu) == ["h.0.weight", "h.1.weight"]
+    eager_p, eager_s = {k: v.clone() for k, v in params.items()}, opt.init(params)
+    fast_p, fast_s = {k: v.clone() for k, v in params.items()}, opt.init(params)
+    step = ps.make_update(opt, compile=True, donate=True)
+    for i in range(4):
+        grads = {k: torch.randn_like(v) for k, v in params.items()}
+        u, eager_s = opt.update(grads, eager_s, eager_p)
+        eager_p = ps.apply_updates(eager_p, u)
+        fast_p, fast_s = step(fast_p, {k: g.clone() for k, g in grads.items()}, fast_s)
+        if i == 1:
+            fast_s = ps.set_hyperparam(fast_s, "lr", 0.01)
+            eager_s = ps.set_hyperparam(eager_s, "lr", 0.01)
+            torch.compiler.set_stance("fail_on_recompile")
+    torch.compiler.set_stance("default")
+    for k in params:
+        torch.testing.assert_close(fast_p[k], eager_p[k], rtol=1e-4, atol=1e-5)
+
+
+def test_the_config_names_normuon_adamw():
+    cfg = apply_overrides(TrainConfig(), ["optimizer.name=normuon_adamw", 'optimizer.kwargs={"beta2": 0.9}'])
+    t = cfg.build_optimizer()
+    params = {"h.0.weight": torch.randn(4, 4), "b": torch.zeros(4)}
+    state = t.init(params)
+    assert float(ps.get_hyperparams(state)["beta2"]) == 0.9 and "h.0.weight" in str(state)

@@ -60,6 +60,9 @@ from ._normuon import ScaleByNorMuonState as ScaleByNorMuonState
 from ._normuon import normuon as normuon
 from ._normuon import normuon_adamw as normuon_adamw
 from ._normuon import scale_by_normuon as scale_by_normuon
+from ._soap import SOAPState as SOAPState
+from ._soap import scale_by_soap as scale_by_soap
+from ._soap import soap as soap
 from ._precision import CompensatedUpdatesState as CompensatedUpdatesState
 from ._precision import QuantizedTensor as QuantizedTensor
 from ._precision import compensated_updates as compensated_updates
@@ -220,6 +223,8 @@ __all__ = [
     "normuon",
     "normuon_adamw",
     "scale_by_normuon",
+    "soap",
+    "scale_by_soap",
     "muon_labels",
     "schedule_free",
     "schedule_free_eval_params",
@@ -227,6 +232,7 @@ __all__ = [
     "gnb_hessian",
     "ScaleByMuonState",
     "ScaleByNorMuonState",
+    "SOAPState",
     "ScheduleFreeState",
     "ScaleBySophiaState",
     # low precision

@@ -20,7 +20,7 @@ from tests.registry import TRANSFORMS
 
 # State that is not shaped like the params (a zero-size buffer per float64 param) is laid
 # out per leaf: planning says so instead of packing.
-PER_LEAF = {"compensated_updates", "normuon", "scale_by_normuon"}  # NorMuon: a second moment per row
+PER_LEAF = {"compensated_updates", "normuon", "scale_by_normuon", "soap", "scale_by_soap"}  # NorMuon: a second moment per row
 SOMETIMES_PER_LEAF = {"normuon_adamw"}  # per leaf when a matrix goes to NorMuon, packed when none does
 RTOL, ATOL = TOLERANCES[torch.float64]
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import purestep.core as ps
+from purestep.api.cli import leave
 
 CASES = {
     "adamw+clip+skip": lambda: ps.apply_if_finite(ps.chain(ps.clip_by_global_norm(0.05), ps.adamw(0.02, weight_decay=0.1))),
@@ -92,6 +93,7 @@ def main() -> None:
         print(f"ok per-leaf-DTensor compile=False max_err={worst:.2e}", flush=True)
     dist.barrier()  # no rank leaves while another still talks to it (gloo aborts at exit otherwise)
     dist.destroy_process_group()
+    leave(0)  # as the purestep command ends a torchrun rank
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from purestep.api import TrainConfig, apply_overrides
-from purestep.api.cli import build_trainer
+from purestep.api.cli import build_trainer, leave
 
 TINY = [
     "batch_size=8", "log_every=1", "checkpoint_every=4", "keep_last=10", "seed=3",
@@ -146,7 +146,7 @@ if __name__ == "__main__":
     if sys.argv[1] in ("save-forever", "checkpoint-drill"):
         torch.set_num_threads(1)
         (save_forever if sys.argv[1] == "save-forever" else checkpoint_drill)(Path(sys.argv[2]))
-        sys.exit(0)
+        leave(0)
     p = argparse.ArgumentParser()
     p.add_argument("out", type=Path)
     p.add_argument("strategy")
@@ -158,6 +158,8 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     t = trainer(a.out, f"strategy={a.strategy}", f"steps={a.steps}", *a.overrides, nan_at=a.nan_at)
     t.fit(resume=a.resume)
-    t.close()
     if int(os.environ.get("RANK", "0")) == 0:
         print("done", t.step, t.updates)
+    t.close()
+    if t.world.distributed:
+        leave(0)  # as the purestep command ends a torchrun rank

@@ -113,9 +113,7 @@ def factory_kwargs(factory: Callable, mirror: Mirror | None, group: dict[str, An
         name = back.get(key, key)
         if name in params:
             out[name] = canonical(key, value)
-        elif mirror is None:
-            raise ValueError(f"{where} sets {key!r}, which ps.{factory.__name__} does not take")
-    return out
+    return out  # other keys (timm's "lr_scale", torch's implementation flags) stay in the group, unread
 
 
 # --------------------------------------------------------------------------- #

@@ -133,8 +133,20 @@ class Optimizer(torch.optim.Optimizer):
         transform: ps.Transform | Callable[..., ps.Transform],
         *,
         compile: bool | None = None,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
         **hyperparams: Any,
     ) -> None:
+        if differentiable:
+            raise ValueError(
+                "differentiable=True: the Optimizer updates params in place, outside autograd; to differentiate "
+                "through steps use the functional step: ps.make_update(transform) (donate=False) or ps.make_step"
+            )
+        if fused and compile is None:
+            compile = True  # purestep's fused step: one compiled kernel over flat buffers
+        self._init_args = (transform, compile, dict(hyperparams))
         self.transform = transform
         self._compile = compile
         self._groups: list[_Group] = []
@@ -166,6 +178,8 @@ class Optimizer(torch.optim.Optimizer):
                 f"transform must be a ps.Transform (e.g. ps.adamw(1e-3)) or a factory (ps.adamw), "
                 f"got {getattr(transform, '__name__', type(transform).__name__)}"
             )
+        flags = {"foreach": foreach, "fused": fused, "capturable": capturable, "differentiable": differentiable}
+        defaults.update({k: v for k, v in flags.items() if k in defaults or v})  # what the caller said, as torch keeps it
         super().__init__(params, defaults)
         if self._factory is None:  # what schedulers read (OneCycleLR checks for "betas"/"momentum")
             self.defaults = {k: v for k, v in self.param_groups[0].items() if k not in L.STRUCTURE_KEYS}
@@ -191,7 +205,6 @@ class Optimizer(torch.optim.Optimizer):
         own = param_group.pop("transform", None)
         if own is not None and not isinstance(own, ps.Transform):
             raise ValueError(f"param group 'transform' must be a ps.Transform, got {type(own).__name__}")
-        given = {k: v for k, v in param_group.items() if k not in L.STRUCTURE_KEYS}
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         index = len(self.param_groups) - 1
@@ -212,9 +225,9 @@ class Optimizer(torch.optim.Optimizer):
             if self._mirror is not None:
                 mirror = self._mirror
                 expect = L.torch_group(self._factory, mirror, kwargs, where)
-                known = set(expect) | set(kwargs) | set(mirror.renames.values()) | set(L.STRUCTURE_KEYS)
-                unknown = [k for k in group if k not in known]
-                if unknown:
+                known = set(expect) | set(kwargs) | set(mirror.renames.values())
+                unknown = [k for k in group if k in _HYPERPARAMETERS and k not in known]
+                if unknown:  # it would do nothing; other unknown keys (timm's "lr_scale") are kept, unread
                     raise ValueError(
                         f"{where} sets {unknown[0]!r}, which neither {_name(self._factory)} nor "
                         f"{mirror.cls.__name__} takes"
@@ -227,7 +240,10 @@ class Optimizer(torch.optim.Optimizer):
                         )
                     group.setdefault(key, value)
             transform = ps.inject_hyperparams(self._factory)(**kwargs)
-            static = {k: v for k, v in group.items() if k not in L.STRUCTURE_KEYS and k not in L.IMPLEMENTATION_KEYS}
+            # Keys neither the factory nor torch's class takes (timm's "lr_scale") stay in the group, unread.
+            known = set(kwargs) | (set(expect) | set(mirror.renames.values()) if mirror is not None else set())
+            static = {k: v for k, v in group.items()
+                      if k in known and k not in L.STRUCTURE_KEYS and k not in L.IMPLEMENTATION_KEYS}
         else:
             transform = own if own is not None else self.transform
         numel = sum(p.numel() for p in params)
@@ -240,7 +256,9 @@ class Optimizer(torch.optim.Optimizer):
             static.pop(key, None)
         g.static = static
         if self._factory is None:
-            unknown = [k for k in given if k not in g.pushed]
+            # Other keys stay in the group, unread, as in torch (timm's "lr_scale"); an optimizer
+            # hyperparameter the transform does not hold would silently do nothing: refused.
+            unknown = [k for k in param_group if k in _HYPERPARAMETERS and k not in g.pushed]
             if unknown:
                 raise ValueError(
                     f"{where} sets {unknown[0]!r}, which its transform does not hold as a hyperparameter "
@@ -298,7 +316,17 @@ class Optimizer(torch.optim.Optimizer):
         """`{"state": {param index: {name: tensor}}, "param_groups": [...]}`, tensors and plain values only.
 
         torch's layout when `torch_class` is set, else the generic one (see the class docstring).
+        The hooks of `register_state_dict_pre_hook` / `register_state_dict_post_hook` run as in torch.
         """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        out = self._state_dict()
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, out)
+            out = result if result is not None else out
+        return out
+
+    def _state_dict(self) -> dict[str, Any]:
         torch_layout = self.torch_class is not None
         state: dict[int, dict[str, Tensor]] = {}
         groups = []
@@ -317,7 +345,23 @@ class Optimizer(torch.optim.Optimizer):
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Restore a `state_dict` of this layout (from this class, or from `torch_class`)."""
+        """Restore a `state_dict` of this layout (from this class, or from `torch_class`).
+
+        Everything is checked before anything is applied: a refused state dict leaves the
+        optimizer as it was. A state dict saved with param names (`named_parameters()`)
+        loads into an optimizer built without them, and the reverse, as in torch. The hooks
+        of `register_load_state_dict_pre_hook` / `_post_hook` run as in torch.
+        """
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            state_dict = result if result is not None else state_dict
+        self._load_state_dict(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not isinstance(state_dict, dict) or "param_groups" not in state_dict or "state" not in state_dict:
+            raise ValueError("state_dict must be a dict with 'state' and 'param_groups', as Optimizer.state_dict() gives")
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
@@ -330,7 +374,7 @@ class Optimizer(torch.optim.Optimizer):
             ids = list(saved["params"])
             if len(ids) != len(g.names):
                 raise ValueError(f"{where} of the state_dict has {len(ids)} params, this optimizer's has {len(g.names)}")
-            if "param_names" in saved and list(saved["param_names"]) != g.names:
+            if "param_names" in saved and _named(g.names) and list(saved["param_names"]) != g.names:
                 diff = next(a for a, b in zip(saved["param_names"], g.names) if a != b)
                 raise ValueError(f"{where}: the state_dict names a param {diff!r} this optimizer lacks")
             if torch_layout == ("shared_state" in saved):
@@ -346,16 +390,64 @@ class Optimizer(torch.optim.Optimizer):
             else:
                 shared = saved["shared_state"]
                 new_states.append(L.import_generic(g.state, g.names, ids, state_dict["state"], shared, where))
-        for index, (saved, group, g, new) in enumerate(zip(saved_groups, self.param_groups, self._groups, new_states)):
+        values = [{**group, **{k: v for k, v in saved.items() if k not in ("params", "param_names", "shared_state")}}
+                  for saved, group in zip(saved_groups, self.param_groups)]
+        for index, (trial, g, new) in enumerate(zip(values, self._groups, new_states)):
+            self._check_push(trial, g, new, index)  # every value checked before anything changes
+        for index, (trial, group, g, new) in enumerate(zip(values, self.param_groups, self._groups, new_states)):
             g.state = new
             g.refresh()
-            group.update({k: v for k, v in saved.items() if k not in ("params", "param_names", "shared_state")})
+            group.update({k: v for k, v in trial.items() if k not in ("params", "param_names")})
             self._push(group, g, index)
+
+    def _check_push(self, values: dict[str, Any], g: _Group, state: Any, index: int) -> None:
+        """What `_push` would refuse, found on copies of the new state's hyperparameters."""
+        hyper = ps.get_hyperparams(state)
+        for key in g.pushed:
+            if key not in values:
+                raise ValueError(f"param group {index} of the state_dict lacks {key!r}")
+            target = hyper.get(key, g.hyper[key])
+            scratch = tuple(t.clone() for t in target) if isinstance(target, tuple) else target.clone()
+            try:
+                _fill(scratch, values[key], f"param group {index} {key!r}")
+            except (TypeError, RuntimeError, OverflowError) as e:
+                raise ValueError(f"param group {index} {key!r}: {values[key]!r} is not a value it can take ({e})") from None
+        for key, value in g.static.items():
+            new = values.get(key)
+            if new is not value and not L.same(L.canonical(key, new), L.canonical(key, value)):
+                raise ValueError(
+                    f"param group {index} has {key}={new!r}, but its transform was built with "
+                    f"{key}={value!r}; that is structure, not a hyperparameter: build a new Optimizer"
+                )
+
+    # ------------------------------------------------------------------ copies
+
+    def __getstate__(self) -> dict[str, Any]:  # type: ignore[override]
+        """What `copy.deepcopy`, `pickle` and `torch.save` keep: how it was built, its groups and its state."""
+        transform, compile, hyperparams = self._init_args
+        groups = [{k: v for k, v in group.items()} for group in self.param_groups]
+        return {"init": (transform, compile, hyperparams), "groups": groups, "state_dict": self.state_dict()}
+
+    def __setstate__(self, saved: dict[str, Any]) -> None:  # type: ignore[override]
+        transform, compile, hyperparams = saved["init"]
+        self.__init__(saved["groups"], transform, compile=compile, **hyperparams)  # type: ignore[misc]
+        self.load_state_dict(saved["state_dict"])
 
 
 # --------------------------------------------------------------------------- #
 # Helpers.
 # --------------------------------------------------------------------------- #
+
+
+# Keys that set an optimizer's hyperparameter in torch.optim: a group setting one the transform
+# does not hold is refused (it would do nothing); any other key is kept, unread.
+_HYPERPARAMETERS = frozenset({"lr", "weight_decay", "momentum", "betas", "eps", "nesterov", "dampening", "amsgrad",
+                              "maximize", "alpha", "initial_accumulator_value", "lr_decay", "rho"})
+
+
+def _named(names: list[str]) -> bool:
+    """Whether a group's names came from `named_parameters()` (not the positions given by default)."""
+    return not all(n.isdigit() for n in names)
 
 
 def _name(factory: Callable) -> str:

@@ -1,0 +1,110 @@
+"""The adapter where torch's own optimizer machinery and common wrappers look (issue 23, part)."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+
+import purestep.core as ps
+from purestep.api import Optimizer
+from tests.api.test_optimizer import assert_same_params, batches, make_model, train
+
+
+def test_torch_implementation_flags_are_accepted_and_said_what_they_do():
+    model = make_model()
+    opt = Optimizer(model.parameters(), ps.adamw, lr=1e-2, foreach=False, fused=True, capturable=True)
+    assert opt._compile is True  # fused: purestep's fused step, compiled over flat buffers
+    assert opt.param_groups[0]["fused"] is True and opt.param_groups[0]["foreach"] is False
+    with pytest.raises(ValueError, match="differentiable=True: .*ps.make_update"):
+        Optimizer(model.parameters(), ps.adamw, lr=1e-2, differentiable=True)
+
+
+def test_extra_group_keys_are_kept_and_a_layer_decay_scheduler_reads_them():
+    ours, theirs = make_model(), make_model()
+    groups = lambda m: [{"params": [p], "lr_scale": 0.5 ** i} for i, p in enumerate(m.parameters())]  # noqa: E731
+    opt = Optimizer(groups(ours), ps.adamw, lr=1e-2)
+    ref = torch.optim.AdamW(groups(theirs), lr=1e-2)
+    for o in (opt, ref):  # timm's layer decay: each step, lr = base · lr_scale
+        for g in o.param_groups:
+            g["lr"] = 1e-2 * g["lr_scale"]
+    train(ours, opt, batches())
+    train(theirs, ref, batches())
+    assert_same_params(ours, theirs)
+    assert [g["lr_scale"] for g in opt.state_dict()["param_groups"]] == [0.5 ** i for i in range(4)]
+    with pytest.raises(ValueError, match="'momentum', which neither ps.adamw nor AdamW takes"):
+        Optimizer([{"params": make_model().parameters(), "momentum": 0.9}], ps.adamw, lr=1e-3)
+
+
+def test_state_dict_hooks_run_as_in_torch():
+    opt = Optimizer(make_model().parameters(), ps.adamw, lr=1e-2)
+    seen = []
+    opt.register_state_dict_pre_hook(lambda o: seen.append("pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "extra": 1})
+    opt.register_load_state_dict_pre_hook(lambda o, sd: {k: v for k, v in sd.items() if k != "extra"})
+    opt.register_load_state_dict_post_hook(lambda o: seen.append("loaded"))
+    sd = opt.state_dict()
+    assert sd["extra"] == 1 and seen == ["pre"]
+    opt.load_state_dict(sd)
+    assert seen == ["pre", "loaded"]
+
+
+@pytest.mark.parametrize("copier", ["deepcopy", "pickle", "torch.save"])
+def test_a_copied_optimizer_works_and_continues_where_the_original_was(copier):
+    model = make_model()
+    opt = Optimizer(model.parameters(), ps.adamw, lr=1e-2, weight_decay=0.1)
+    train(model, opt, batches(4))
+    bundle = {"model": model, "opt": opt}
+    if copier == "deepcopy":
+        copied = copy.deepcopy(bundle)
+    elif copier == "pickle":
+        copied = pickle.loads(pickle.dumps(bundle))
+    else:
+        buf = io.BytesIO()
+        torch.save(bundle, buf)
+        copied = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    later = batches(4, seed=7)
+    train(model, opt, later)
+    train(copied["model"], copied["opt"], later)  # the copy steps its own model's params
+    assert_same_params(copied["model"], model)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda sd: sd["param_groups"][0].__setitem__("lr", "fast"),
+        lambda sd: sd["param_groups"][0].__setitem__("betas", (0.9, 0.99, 0.5)),
+        lambda sd: sd["param_groups"][0].__setitem__("weight_decay", 2**100),
+        lambda sd: sd["param_groups"][0].__setitem__("amsgrad", True),
+    ],
+    ids=["string lr", "three betas", "huge decay", "structure"],
+)
+def test_a_refused_load_leaves_the_optimizer_as_it_was(damage):
+    model = make_model()
+    opt = Optimizer(model.parameters(), ps.adamw, lr=1e-2)
+    train(model, opt, batches(2))
+    good = opt.state_dict()
+    bad = copy.deepcopy(good)
+    bad["state"] = {k: {n: v.clone() + 1 if torch.is_tensor(v) else v for n, v in s.items()} for k, s in bad["state"].items()}
+    damage(bad)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError):
+        opt.load_state_dict(bad)
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    for k in before["state"]:
+        for n, v in before["state"][k].items():
+            assert torch.equal(torch.as_tensor(after["state"][k][n]), torch.as_tensor(v)), (k, n)
+    train(model, opt, batches(2))  # and it still steps
+
+
+def test_named_and_unnamed_state_dicts_load_into_each_other():
+    named = Optimizer(make_model().named_parameters(), ps.adamw, lr=1e-2)
+    plain = Optimizer(make_model().parameters(), ps.adamw, lr=1e-2)
+    plain.load_state_dict(named.state_dict())
+    named.load_state_dict(plain.state_dict())
+    ref = torch.optim.AdamW(make_model().parameters(), lr=1e-2)
+    ref.load_state_dict(named.state_dict())  # torch takes it too

@@ -34,6 +34,8 @@ def _decay(weight_decay: ScalarOrSchedule, mask: Any = None) -> Transform:
 
 
 def _check_lr(lr: Any) -> None:
+    """For an lr that reaches no `scale_by_lr` as it is (schedule-free's warmed-up one);
+    elsewhere the blocks check their own arguments (lr, weight_decay, betas) once."""
     check_hyperparam("lr", lr)
     check_nonnegative("lr", lr)
 
@@ -77,11 +79,8 @@ def sgd(
     References:
         Sutskever et al., On the importance of initialization and momentum in deep learning, 2013.
     """
-    _check_lr(lr)
     check_hyperparam("momentum", momentum)
     check_nonnegative("momentum", momentum)
-    check_hyperparam("weight_decay", weight_decay)
-    check_nonnegative("weight_decay", weight_decay)
     check_nonnegative("dampening", dampening)
     if nesterov and (_is_zero(momentum) or (is_static(dampening) and dampening != 0)):
         raise ValueError("nesterov=True needs momentum > 0 and dampening=0 (as torch.optim.SGD)")
@@ -142,10 +141,7 @@ def adam(
     References:
         Kingma and Ba, Adam: A Method for Stochastic Optimization, 2015.
     """
-    _check_lr(lr)
     b1, b2 = check_betas(betas)
-    check_hyperparam("weight_decay", weight_decay)
-    check_nonnegative("weight_decay", weight_decay)
     adam_step = scale_by_adam(b1, b2, eps, amsgrad=amsgrad, mu_dtype=mu_dtype, nu_dtype=nu_dtype, rounding=rounding)
     return _signed(maximize, _decay(weight_decay), adam_step, scale_by_lr(lr))
 
@@ -186,10 +182,7 @@ def adamw(
     References:
         Loshchilov and Hutter, Decoupled Weight Decay Regularization, 2019.
     """
-    _check_lr(lr)
     b1, b2 = check_betas(betas)
-    check_hyperparam("weight_decay", weight_decay)
-    check_nonnegative("weight_decay", weight_decay)
     adam_step = scale_by_adam(b1, b2, eps, amsgrad=amsgrad, mu_dtype=mu_dtype, nu_dtype=nu_dtype, rounding=rounding)
     return _signed(maximize, adam_step, _decay(weight_decay, mask), scale_by_lr(lr))
 
@@ -222,10 +215,7 @@ def lion(
     References:
         Chen et al., Symbolic Discovery of Optimization Algorithms, 2023.
     """
-    _check_lr(lr)
     b1, b2 = check_betas(betas)
-    check_hyperparam("weight_decay", weight_decay)
-    check_nonnegative("weight_decay", weight_decay)
     return chain(scale_by_lion(b1, b2, mu_dtype=mu_dtype, rounding=rounding), _decay(weight_decay, mask), scale_by_lr(lr))
 
 
@@ -252,11 +242,8 @@ def lamb(
     References:
         You et al., Large Batch Optimization for Deep Learning: Training BERT in 76 minutes, 2020.
     """
-    _check_lr(lr)
     b1, b2 = check_betas(betas)
     check_positive("eps", eps)
-    check_hyperparam("weight_decay", weight_decay)
-    check_nonnegative("weight_decay", weight_decay)
     return chain(
         scale_by_adam(b1, b2, eps),
         _decay(weight_decay, mask),
@@ -297,11 +284,8 @@ def lars(
     References:
         You et al., Large Batch Training of Convolutional Networks, 2017.
     """
-    _check_lr(lr)
     check_hyperparam("momentum", momentum)
     check_nonnegative("momentum", momentum)
-    check_hyperparam("weight_decay", weight_decay)
-    check_nonnegative("weight_decay", weight_decay)
     if nesterov and _is_zero(momentum):
         raise ValueError("nesterov=True needs momentum > 0")
     ratio = scale_by_trust_ratio(trust_coefficient=trust_coefficient, eps=eps)
@@ -369,9 +353,6 @@ def muon(
         Liu et al., Muon is Scalable for LLM Training, 2025;
         Amsel et al., The Polar Express: Optimal Matrix Sign Methods and Their Application to the Muon Algorithm, 2025.
     """
-    _check_lr(lr)
-    check_hyperparam("weight_decay", weight_decay)
-    check_nonnegative("weight_decay", weight_decay)
     block = scale_by_muon(
         momentum, nesterov, ns_steps, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, adjust_lr=adjust_lr, eps=eps,
         emulate_bf16=emulate_bf16,
@@ -470,8 +451,6 @@ def schedule_free_adamw(
     """
     _check_lr(lr)
     b1, b2 = check_betas(betas)
-    check_hyperparam("weight_decay", weight_decay)
-    check_nonnegative("weight_decay", weight_decay)
     check_int("warmup_steps", warmup_steps)
     lr_t = warmup_lr(lr, warmup_steps)
     base = chain(scale_by_adam(0.0, b2, eps), _decay(weight_decay), scale_by_lr(lr_t))
@@ -513,8 +492,5 @@ def sophia(
     References:
         Liu et al., Sophia: A Scalable Stochastic Second-order Optimizer for Language Model Pre-training, 2023.
     """
-    _check_lr(lr)
     b1, b2 = check_betas(betas)
-    check_hyperparam("weight_decay", weight_decay)
-    check_nonnegative("weight_decay", weight_decay)
     return chain(scale_by_sophia(b1, b2, rho, eps, update_every=update_every), _decay(weight_decay), scale_by_lr(lr))

@@ -157,7 +157,6 @@ class TrainConfig(_Section):
         if self.precision == "bf16-true" and self.strategy == "fsdp":
             raise ConfigError("precision", "'bf16-true' is not supported with strategy='fsdp' (FSDP2 keeps float32 "
                               "sharded params and casts them to bf16 for compute itself); use precision='bf16'")
-        self.build_optimizer()  # names and arguments are checked now, not at step 1
 
     @property
     def autocast(self) -> bool:
@@ -218,11 +217,18 @@ def _convert(data: Any, source: str | None) -> TrainConfig:
     if not isinstance(data, dict):
         raise ConfigError("", f"expected a table of fields, got {type(data).__name__}", source)
     try:
-        return msgspec.convert(data, TrainConfig)
+        config = msgspec.convert(data, TrainConfig)
     except msgspec.ValidationError as e:
         if isinstance(e.__cause__, ConfigError):  # raised by __post_init__, with its field
             raise e.__cause__.at(source) from None
         raise (_locate(data, TrainConfig) or ConfigError("", str(e))).at(source) from None
+    # The config stays data: its optimizer and schedule are built here once, as a check of
+    # their names and arguments when the file or overrides are read (not at step 1).
+    try:
+        config.build_optimizer()
+    except ConfigError as e:
+        raise e.at(source) if source is not None else e from None
+    return config
 
 
 # --------------------------------------------------------------------------- #

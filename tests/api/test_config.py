@@ -363,3 +363,15 @@ def test_ademamix_cautious_adamw_and_mup_adamw_build_from_their_names():
     opt = apply_overrides(TrainConfig(), ["optimizer.name=mup_adamw", 'optimizer.kwargs.base_shapes={"x": [1]}']).build_optimizer()
     with pytest.raises(ValueError, match="base_shapes has no entry for leaf '0.weight'"):
         opt.update(grads, opt.init(params), params)
+
+
+def test_a_config_stays_data_and_its_optimizer_is_checked_where_it_is_read_or_used():
+    from purestep.api import DataConfig, OptimizerConfig, Trainer
+
+    cfg = TrainConfig(optimizer=OptimizerConfig(name="nope"))  # building a Struct builds no transform
+    with pytest.raises(ConfigError, match="optimizer.name: 'nope' is not a public purestep.core optimizer"):
+        apply_overrides(cfg, [])
+    with pytest.raises(ConfigError, match="--set optimizer.name=nope: optimizer.name"):
+        apply_overrides(TrainConfig(), ["optimizer.name=nope"])
+    with pytest.raises(ConfigError, match="optimizer.name"):
+        Trainer(config=TrainConfig(optimizer=OptimizerConfig(name="nope"), data=DataConfig(max_bytes=100_000)))

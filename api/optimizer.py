@@ -105,9 +105,10 @@ class Optimizer(torch.optim.Optimizer):
 
     Warning:
         The state is created at construction (torch.optim creates it at the first step),
-        for all params of a group at once: a step where some params of a group have a
-        grad and others have `None` raises, since a pure transform cannot skip a leaf.
-        Build the optimizer from the trainable params only. A param's shape, dtype and
+        for all params of a group at once. A param whose grad is `None` while others of its
+        group have one is skipped as torch skips it (its value and its own state buffers stay
+        as they were), but state the group shares, such as the step count of bias
+        corrections, still advances. A param's shape, dtype and
         device must stay as they were at construction (build the optimizer after
         `model.to(...)`); its storage may change (`p.data = ...`) as in torch.optim, but in
         a compiled group that makes the next step re-bind the flat buffers and compile
@@ -302,12 +303,17 @@ class Optimizer(torch.optim.Optimizer):
             missing = sum(gr is None for gr in grads)  # not list.count: that calls Tensor.__eq__
             if missing == len(grads):
                 continue  # nothing to do, as torch.optim
-            if missing or any(gr.is_sparse for gr in grads):
+            if any(gr is not None and gr.is_sparse for gr in grads):
                 _refuse_grads(g.names, grads)
             if [p.data_ptr() for p in params] != g.addresses:
                 g.moved(params)
             self._push(group, g, index)
+            held = _hold(g, params, grads) if missing else None
+            if held is not None:
+                grads = [gr if gr is not None else torch.zeros_like(p) for p, gr in zip(params, grads)]
             g.state = g.update(g.tree, dict(zip(g.names, grads)), g.state)[1]
+            if held is not None:
+                _give_back(g, params, held)
         return loss
 
     # ------------------------------------------------------------------ state
@@ -488,14 +494,27 @@ def _fill(target: Any, value: Any, where: str) -> None:
         target.fill_(value)
 
 
+def _hold(g: _Group, params: list[Tensor], grads: list[Tensor | None]) -> tuple[list, list]:
+    """Copies of the params without a grad and of their own state buffers, put back after the
+    group's update (run with zero grads for them): they are skipped, as torch.optim skips them.
+    The group's shared state (a step count) still advances."""
+    skipped = {n for n, gr in zip(g.names, grads) if gr is None}
+    roles = L.classify(g.state, g.names)
+    leaves = ps.tree_leaves(g.state)
+    buffers = [(i, leaves[i].clone()) for i, r in enumerate(roles) if r.kind == "buffer" and r.param in skipped]
+    values = [(i, p.detach().clone()) for i, (n, p) in enumerate(zip(g.names, params)) if n in skipped]
+    return values, buffers
+
+
+def _give_back(g: _Group, params: list[Tensor], held: tuple[list, list]) -> None:
+    values, buffers = held
+    leaves = ps.tree_leaves(g.state)
+    for i, v in values:
+        params[i].copy_(v)
+    for i, v in buffers:
+        leaves[i].copy_(v)
+
+
 def _refuse_grads(names: list[str], grads: list[Tensor | None]) -> None:
-    missing = [n for n, gr in zip(names, grads) if gr is None]
-    if missing:
-        raise ValueError(
-            f"params {missing[:3]} have no grad while others in their group do; a purestep transform "
-            "updates a whole tree, so build the Optimizer from the params that train (e.g. "
-            "[p for p in model.parameters() if p.requires_grad]); a param re-created after the Optimizer "
-            "was built (model.w = nn.Parameter(...)) also shows up this way"
-        )
-    sparse = next(n for n, gr in zip(names, grads) if gr.is_sparse)
+    sparse = next(n for n, gr in zip(names, grads) if gr is not None and gr.is_sparse)
     raise ValueError(f"param {sparse!r} has a sparse grad; purestep transforms need dense grads")

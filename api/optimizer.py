@@ -37,10 +37,15 @@ class _Group:
         # The params themselves, not detached aliases: a compiled update re-points the
         # tensors it is given into its flat buffers, and the model must follow.
         self.tree = dict(zip(names, params))
-        self.addresses = [p.data_ptr() for p in params]
+        self.transform = transform
+        # Params on the meta device (deferred init): the state waits for real ones (`materialize`);
+        # until then it is built on one-element stand-ins, which hold the hyperparameters.
+        self.lazy = any(p.is_meta for p in params)
+        self.addresses = [0 if p.is_meta else p.data_ptr() for p in params]
         self.meta = [(p.shape, p.dtype, p.device) for p in params]
+        stand_ins = {n: torch.zeros([1] * p.dim(), dtype=p.dtype) for n, p in self.tree.items()} if self.lazy else None
         with torch.no_grad():
-            self.state = transform.init(self.tree)
+            self.state = transform.init(stand_ins if self.lazy else self.tree)
         self.mirror: L.Mirror | None = None
         self.static: dict[str, Any] = {}  # group key -> the value the transform was built with
         self.refresh()
@@ -49,6 +54,23 @@ class _Group:
         """Re-read the injected hyperparameters after the state was replaced."""
         self.hyper = ps.get_hyperparams(self.state)  # key -> the live 0-d tensor(s)
         self.pushed = {k: _plain(v) for k, v in self.hyper.items()}  # key -> value in the state
+
+    def materialize(self, params: list[Tensor], where: str) -> None:
+        """The state of params built on the meta device, once they are real (`to_empty` and init)."""
+        if any(p.is_meta for p in params):
+            raise ValueError(
+                f"{where}: its params are still on the meta device; materialize them before the first step or "
+                "state_dict load (model.to_empty(device=...) keeps the Parameter objects this optimizer holds under "
+                "torch.__future__.set_swap_module_params_on_conversion(True); otherwise build the optimizer after it)"
+            )
+        with torch.no_grad():
+            state = self.transform.init(self.tree)
+        for new, old in zip(ps.tree_leaves(ps.get_hyperparams(state)), ps.tree_leaves(self.hyper)):
+            new.copy_(old)  # the values the group set while the params were meta
+        self.state, self.lazy = state, False
+        self.meta = [(p.shape, p.dtype, p.device) for p in params]
+        self.addresses = [p.data_ptr() for p in params]
+        self.hyper = ps.get_hyperparams(self.state)
 
     def moved(self, params: list[Tensor]) -> None:
         """Params whose storage changed (model.to(...), p.data = ..., a compiled update's
@@ -305,6 +327,8 @@ class Optimizer(torch.optim.Optimizer):
                 continue  # nothing to do, as torch.optim
             if any(gr is not None and gr.is_sparse for gr in grads):
                 _refuse_grads(g.names, grads)
+            if g.lazy:
+                g.materialize(params, f"param group {index}")
             if [p.data_ptr() for p in params] != g.addresses:
                 g.moved(params)
             self._push(group, g, index)
@@ -333,6 +357,9 @@ class Optimizer(torch.optim.Optimizer):
         return out
 
     def _state_dict(self) -> dict[str, Any]:
+        for index, (group, g) in enumerate(zip(self.param_groups, self._groups)):
+            if g.lazy:
+                g.materialize(group["params"], f"param group {index}")
         torch_layout = self.torch_class is not None
         state: dict[int, dict[str, Tensor]] = {}
         groups = []
@@ -368,6 +395,9 @@ class Optimizer(torch.optim.Optimizer):
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not isinstance(state_dict, dict) or "param_groups" not in state_dict or "state" not in state_dict:
             raise ValueError("state_dict must be a dict with 'state' and 'param_groups', as Optimizer.state_dict() gives")
+        for index, (group, g) in enumerate(zip(self.param_groups, self._groups)):
+            if g.lazy:
+                g.materialize(group["params"], f"param group {index}")
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(

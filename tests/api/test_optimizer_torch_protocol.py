@@ -108,3 +108,25 @@ def test_named_and_unnamed_state_dicts_load_into_each_other():
     named.load_state_dict(plain.state_dict())
     ref = torch.optim.AdamW(make_model().parameters(), lr=1e-2)
     ref.load_state_dict(named.state_dict())  # torch takes it too
+
+
+def test_built_on_meta_params_then_materialized_it_trains_as_built_on_real_ones():
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)  # to_empty keeps the Parameter objects
+    try:
+        with torch.device("meta"):
+            deferred = make_model()
+        opt = Optimizer(deferred.parameters(), ps.adamw, lr=1e-2, weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)  # sets the lr while params are meta
+        with pytest.raises(ValueError, match="still on the meta device"):
+            opt.state_dict()
+        deferred.to_empty(device="cpu")
+        deferred.load_state_dict(make_model().state_dict())
+        eager = make_model()
+        ref = Optimizer(eager.parameters(), ps.adamw, lr=1e-2, weight_decay=0.1)
+        ref_sched = torch.optim.lr_scheduler.LambdaLR(ref, lambda s: 0.5 ** s)
+        train(deferred, opt, batches(4), sched)
+        train(eager, ref, batches(4), ref_sched)
+        assert_same_params(deferred, eager, exact=True)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)

@@ -465,6 +465,9 @@ class Optimizer(torch.optim.Optimizer):
         return {"init": (transform, compile, hyperparams), "groups": groups, "state_dict": self.state_dict()}
 
     def __setstate__(self, saved: dict[str, Any]) -> None:  # type: ignore[override]
+        if "init" not in saved:  # torch's own format (torch.optim.Optimizer.__getstate__'s keys)
+            super().__setstate__(saved)
+            return
         transform, compile, hyperparams = saved["init"]
         self.__init__(saved["groups"], transform, compile=compile, **hyperparams)  # type: ignore[misc]
         self.load_state_dict(saved["state_dict"])

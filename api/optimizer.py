@@ -54,6 +54,12 @@ class _Group:
         """Re-read the injected hyperparameters after the state was replaced."""
         self.hyper = ps.get_hyperparams(self.state)  # key -> the live 0-d tensor(s)
         self.pushed = {k: _plain(v) for k, v in self.hyper.items()}  # key -> value in the state
+        self.index_buffers()
+
+    def index_buffers(self) -> None:
+        """Where each param's own buffers sit among the state's leaves: (leaf, param, name)."""
+        roles = [] if self.lazy else L.classify(self.state, self.names)
+        self.buffers = [(i, self.names.index(r.param), r.key) for i, r in enumerate(roles) if r.kind == "buffer"]
 
     def materialize(self, params: list[Tensor], where: str) -> None:
         """The state of params built on the meta device, once they are real (`to_empty` and init)."""
@@ -71,6 +77,7 @@ class _Group:
         self.meta = [(p.shape, p.dtype, p.device) for p in params]
         self.addresses = [p.data_ptr() for p in params]
         self.hyper = ps.get_hyperparams(self.state)
+        self.index_buffers()
 
     def moved(self, params: list[Tensor]) -> None:
         """Params whose storage changed (model.to(...), p.data = ..., a compiled update's
@@ -294,6 +301,7 @@ class Optimizer(torch.optim.Optimizer):
             group.update(g.pushed)  # the values as the state holds them
         self._push(group, g, index)
         self._groups.append(g)
+        self._expose(g, params)
 
     def _push(self, group: dict[str, Any], g: _Group, index: int) -> None:
         """Write group values that changed into the state; refuse a changed structural one."""
@@ -338,6 +346,7 @@ class Optimizer(torch.optim.Optimizer):
             g.state = g.update(g.tree, dict(zip(g.names, grads)), g.state)[1]
             if held is not None:
                 _give_back(g, params, held)
+            self._expose(g, params)
         return loss
 
     # ------------------------------------------------------------------ state
@@ -374,6 +383,9 @@ class Optimizer(torch.optim.Optimizer):
             else:
                 per, packed["shared_state"] = L.export_generic(g.state, g.names, ids)
                 state.update(per)
+            for i, extra in zip(ids, self._extras(group["params"], g)):
+                if extra:
+                    state.setdefault(i, {}).update(extra)
             groups.append(packed)
         return {"state": state, "param_groups": groups}
 
@@ -404,6 +416,8 @@ class Optimizer(torch.optim.Optimizer):
                 f"state_dict has {len(saved_groups)} param groups, this optimizer has {len(self.param_groups)}"
             )
         torch_layout = self.torch_class is not None
+        saved_state, extras = _split_extras(state_dict["state"], self._groups, saved_groups, torch_layout)
+        state_dict = {**state_dict, "state": saved_state}
         new_states = []
         for index, (saved, g) in enumerate(zip(saved_groups, self._groups)):
             where = f"param group {index}"
@@ -435,6 +449,28 @@ class Optimizer(torch.optim.Optimizer):
             g.refresh()
             group.update({k: v for k, v in trial.items() if k not in ("params", "param_names")})
             self._push(group, g, index)
+            for p in group["params"]:  # what code put there before is replaced by what was saved
+                self.state.pop(p, None)
+            self._expose(g, group["params"])
+        for p, extra in zip((p for group in self.param_groups for p in group["params"]), extras):
+            if extra:
+                self.state[p].update(extra)
+
+    def _expose(self, g: _Group, params: list[Tensor]) -> None:
+        """`self.state[param]` shows the param's own buffers (the live state tensors, torch's
+        names where the factory mirrors a torch class), as torch.optim's state does: code
+        that reads it, and torch.distributed.checkpoint's `get_state_dict` (which steps an
+        optimizer whose state is empty), see what there is."""
+        leaves = ps.tree_leaves(g.state)
+        for i, j, key in g.buffers:
+            self.state[params[j]][key] = leaves[i]
+
+    def _extras(self, params: list[Tensor], g: _Group) -> list[dict[str, Any]]:
+        """What else code put into `self.state[param]` (a wrapper's slow weights, say), per param."""
+        own = [set() for _ in params]
+        for _, j, key in g.buffers:
+            own[j].add(key)
+        return [{k: v for k, v in self.state.get(p, {}).items() if k not in own[j]} for j, p in enumerate(params)]
 
     def _check_push(self, values: dict[str, Any], g: _Group, state: Any, index: int) -> None:
         """What `_push` would refuse, found on copies of the new state's hyperparameters."""
@@ -525,6 +561,24 @@ def _fill(target: Any, value: Any, where: str) -> None:
         target.copy_(value.detach().reshape(()))
     else:
         target.fill_(value)
+
+
+def _split_extras(saved: dict, groups: list[_Group], saved_groups: list[dict], torch_layout: bool) -> tuple[dict, list]:
+    """The saved per-param entries without what code other than the transform put there
+    (a wrapper's keys), and those keys per param in order, to go back into `state`."""
+    kept, extras = {}, []
+    for g, sg in zip(groups, saved_groups):
+        own: list[set[str]] = [set() for _ in g.names]
+        for _, j, key in g.buffers:
+            own[j].add(key)
+        for j, i in enumerate(sg["params"]):
+            entry = saved.get(i) or {}
+            known = own[j] | ({"step"} | set(L.BUFFER_NAMES.values()) if torch_layout else set())
+            kept_entry = {k: v for k, v in entry.items() if k in known}
+            if kept_entry or i in saved:
+                kept[i] = kept_entry
+            extras.append({k: v for k, v in entry.items() if k not in known})
+    return {i: e for i, e in kept.items() if e}, extras
 
 
 def _hold(g: _Group, params: list[Tensor], grads: list[Tensor | None]) -> tuple[list, list]:

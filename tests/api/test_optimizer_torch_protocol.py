@@ -130,3 +130,64 @@ def test_built_on_meta_params_then_materialized_it_trains_as_built_on_real_ones(
         assert_same_params(deferred, eager, exact=True)
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)
+
+
+class Lookahead:
+    """timm's Lookahead in brief: slow weights kept in the inner optimizer's `state[p]`."""
+
+    def __init__(self, inner, k=2, alpha=0.5):
+        self.inner, self.k, self.alpha, self.n = inner, k, alpha, 0
+
+    def step(self):
+        self.inner.step()
+        self.n += 1
+        for group in self.inner.param_groups:
+            for p in group["params"]:
+                slow = self.inner.state[p].setdefault("lookahead_slow", p.detach().clone())
+                if self.n % self.k == 0:
+                    slow.add_(p.detach() - slow, alpha=self.alpha)
+                    p.data.copy_(slow)
+
+    def zero_grad(self):
+        self.inner.zero_grad()
+
+
+def test_state_shows_each_params_buffers_and_a_wrappers_entries_round_trip():
+    model = make_model()
+    opt = Optimizer(model.parameters(), ps.adamw, lr=1e-2)
+    first = next(model.parameters())
+    assert set(opt.state[first]) == {"exp_avg", "exp_avg_sq"} and opt.state[first]["exp_avg"].shape == first.shape
+    la = Lookahead(opt)
+    train(model, la, batches(3))
+    assert torch.equal(opt.state[first]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])  # the live tensors
+    saved = copy.deepcopy(opt.state_dict())
+    assert "lookahead_slow" in saved["state"][0]
+    twin = make_model()
+    twin.load_state_dict(model.state_dict())
+    opt2 = Optimizer(twin.parameters(), ps.adamw, lr=1e-2)
+    opt2.load_state_dict(saved)
+    la2 = Lookahead(opt2)
+    la2.n = la.n
+    train(model, la, batches(3, seed=5))
+    train(twin, la2, batches(3, seed=5))
+    assert_same_params(twin, model)  # the slow weights came back with the state
+
+
+def test_torch_distributed_checkpoint_state_dict_round_trip_takes_no_step():
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    model = make_model()
+    opt = Optimizer(model.parameters(), ps.adamw(1e-2, weight_decay=0.1))
+    train(model, opt, batches(2))
+    opt.zero_grad()  # grads None: torch's checkpoint API would step an optimizer whose state looks empty
+    before = [p.detach().clone() for p in model.parameters()]
+    moments = copy.deepcopy(opt.state_dict())
+    for _ in range(3):
+        sd = get_optimizer_state_dict(model, opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # no step was taken
+    set_optimizer_state_dict(model, opt, sd)
+    after = opt.state_dict()
+    assert after["param_groups"] == moments["param_groups"]
+    for i, entry in moments["state"].items():
+        for k, v in entry.items():
+            assert torch.equal(torch.as_tensor(after["state"][i][k]), torch.as_tensor(v)), (i, k)

@@ -138,8 +138,36 @@ def checkpoint_drill(out: Path) -> None:
         seen["failed_save"] = str(e)
     D.barrier(world)
     seen["after_failed_save"] = sorted(p.name for p in (out / "dcp" / "checkpoints").iterdir())
+    seen.update(adapter_dcp(world))
     (out / f"seen-{world.rank}.json").write_text(json.dumps(seen))
     D.teardown(world)
+
+
+def adapter_dcp(world) -> dict[str, bool]:
+    """The drop-in Optimizer on FSDP2 params through torch.distributed.checkpoint's state_dict API:
+    no step taken by get_optimizer_state_dict (grads None), the state back equal after set."""
+    import purestep.core as ps
+    from purestep.api import Optimizer
+    from purestep.api import distributed as D
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    torch.manual_seed(1)
+    model = D.wrap(torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 2)), world)
+    opt = Optimizer(model.parameters(), ps.adamw(1e-2, weight_decay=0.1))
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 6)).pow(2).mean().backward()
+        opt.step()
+    opt.zero_grad()
+    before = [D.local(p).detach().clone() for p in model.parameters()]
+    mine = {i: {k: D.local(v).clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()}
+    for _ in range(2):
+        sd = get_optimizer_state_dict(model, opt)
+    no_step = all(torch.equal(a, D.local(p)) for a, p in zip(before, model.parameters()))
+    set_optimizer_state_dict(model, opt, sd)
+    back = opt.state_dict()["state"]
+    equal = all(torch.equal(D.local(back[i][k]), v) for i, s in mine.items() for k, v in s.items())
+    return {"adapter_dcp_no_step": no_step, "adapter_dcp_state_equal": equal, "adapter_state_shown": bool(opt.state)}
 
 
 if __name__ == "__main__":

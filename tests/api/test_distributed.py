@@ -134,6 +134,8 @@ def test_checkpoint_manager_on_two_fsdp2_ranks_falls_back_refuses_shapes_and_fai
         assert "params '1.weight' is [2, 4] torch.float32 in the checkpoint, but [3, 4]" in seen[0][f"{layout}_shape_error"]
     assert "step_00000003: cannot write the checkpoint: rank 1: No space left on device" in seen[0]["failed_save"]
     assert seen[0]["after_failed_save"] == ["step_00000001", "step_00000002"]
+    # The drop-in Optimizer on FSDP2 params: torch.distributed.checkpoint's state_dict API takes no step.
+    assert seen[0]["adapter_state_shown"] and seen[0]["adapter_dcp_no_step"] and seen[0]["adapter_dcp_state_equal"]
 
 
 def test_more_ranks_per_node_than_gpus_fails_in_one_line_naming_both_counts(monkeypatch):

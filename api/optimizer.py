@@ -278,7 +278,11 @@ class Optimizer(torch.optim.Optimizer):
             transform = own if own is not None else self.transform
         numel = sum(p.numel() for p in params)
         compiled = self._compile if self._compile is not None else numel >= AUTO_COMPILE_NUMEL
-        g = _Group(transform, names, params, compiled)
+        if any(p.is_complex() for p in params):
+            # As torch.optim: a complex param is its real view (..., 2). A compiled update would
+            # re-point the view, not the param, so a group holding one runs eagerly.
+            compiled = False
+        g = _Group(transform, names, _real(params), compiled)
         if mirror is not None:
             L.check_torch_layout(g.state, names, mirror)
         g.mirror = mirror
@@ -328,8 +332,8 @@ class Optimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for index, (group, g) in enumerate(zip(self.param_groups, self._groups)):
-            params = group["params"]
-            grads = [p.grad for p in params]
+            params = _real(group["params"])
+            grads = _real([p.grad for p in group["params"]])
             missing = sum(gr is None for gr in grads)  # not list.count: that calls Tensor.__eq__
             if missing == len(grads):
                 continue  # nothing to do, as torch.optim
@@ -346,7 +350,7 @@ class Optimizer(torch.optim.Optimizer):
             g.state = g.update(g.tree, dict(zip(g.names, grads)), g.state)[1]
             if held is not None:
                 _give_back(g, params, held)
-            self._expose(g, params)
+            self._expose(g, group["params"])
         return loss
 
     # ------------------------------------------------------------------ state
@@ -379,7 +383,11 @@ class Optimizer(torch.optim.Optimizer):
             packed = {k: v for k, v in group.items() if k != "params"}
             packed["params"] = ids
             if torch_layout:
-                state.update(L.export_torch(g.state, g.names, ids, g.mirror, group))
+                exported = L.export_torch(g.state, g.names, ids, g.mirror, group)
+                for i, p in zip(ids, group["params"]):
+                    if p.is_complex() and i in exported:  # torch keeps a complex param's buffers complex
+                        exported[i] = {k: v if k == "step" else torch.view_as_complex(v) for k, v in exported[i].items()}
+                state.update(exported)
             else:
                 per, packed["shared_state"] = L.export_generic(g.state, g.names, ids)
                 state.update(per)
@@ -417,6 +425,10 @@ class Optimizer(torch.optim.Optimizer):
             )
         torch_layout = self.torch_class is not None
         saved_state, extras = _split_extras(state_dict["state"], self._groups, saved_groups, torch_layout)
+        complex_ids = {i for sg, group in zip(saved_groups, self.param_groups)
+                       for i, p in zip(sg["params"], group["params"]) if p.is_complex()}
+        saved_state = {i: {k: torch.view_as_real(v) if i in complex_ids and torch.is_tensor(v) and v.is_complex() else v
+                           for k, v in e.items()} for i, e in saved_state.items()}
         state_dict = {**state_dict, "state": saved_state}
         new_states = []
         for index, (saved, g) in enumerate(zip(saved_groups, self._groups)):
@@ -463,7 +475,8 @@ class Optimizer(torch.optim.Optimizer):
         optimizer whose state is empty), see what there is."""
         leaves = ps.tree_leaves(g.state)
         for i, j, key in g.buffers:
-            self.state[params[j]][key] = leaves[i]
+            p = params[j]
+            self.state[p][key] = torch.view_as_complex(leaves[i]) if p.is_complex() else leaves[i]
 
     def _extras(self, params: list[Tensor], g: _Group) -> list[dict[str, Any]]:
         """What else code put into `self.state[param]` (a wrapper's slow weights, say), per param."""
@@ -561,6 +574,11 @@ def _fill(target: Any, value: Any, where: str) -> None:
         target.copy_(value.detach().reshape(()))
     else:
         target.fill_(value)
+
+
+def _real(tensors: list[Tensor | None]) -> list[Tensor | None]:
+    """Complex tensors as their real views (..., 2), as torch.optim treats complex params."""
+    return [torch.view_as_real(t) if t is not None and t.is_complex() else t for t in tensors]
 
 
 def _split_extras(saved: dict, groups: list[_Group], saved_groups: list[dict], torch_layout: bool) -> tuple[dict, list]:

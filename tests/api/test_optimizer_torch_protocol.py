@@ -191,3 +191,27 @@ def test_torch_distributed_checkpoint_state_dict_round_trip_takes_no_step():
     for i, entry in moments["state"].items():
         for k, v in entry.items():
             assert torch.equal(torch.as_tensor(after["state"][i][k]), torch.as_tensor(v)), (i, k)
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_complex_params_step_as_torch_steps_their_real_views(amsgrad):
+    torch.manual_seed(0)
+    ours = torch.randn(4, 3, dtype=torch.complex64, requires_grad=True)
+    theirs = ours.detach().clone().requires_grad_(True)
+    real = torch.randn(3, requires_grad=True)  # a real param in the same group
+    real_t = real.detach().clone().requires_grad_(True)
+    opt = Optimizer([ours, real], ps.adamw, lr=1e-2, weight_decay=0.1, amsgrad=amsgrad)
+    ref = torch.optim.AdamW([theirs, real_t], lr=1e-2, weight_decay=0.1, amsgrad=amsgrad)
+    target = torch.randn(4, 3, dtype=torch.complex64)
+    for _ in range(6):
+        for p, r, o in ((ours, real, opt), (theirs, real_t, ref)):
+            o.zero_grad()
+            ((p - target).abs().pow(2).sum() + (r * p.real.sum(0)).pow(2).sum()).backward()
+            o.step()
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(real, real_t, rtol=1e-5, atol=1e-6)
+    assert opt.state[ours]["exp_avg"].is_complex() and opt.state_dict()["state"][0]["exp_avg"].dtype == torch.complex64
+    twin = torch.optim.AdamW([theirs.detach().clone(), real_t.detach().clone()], lr=1e-2, amsgrad=amsgrad)
+    twin.load_state_dict(opt.state_dict())  # torch takes ours
+    opt.load_state_dict(ref.state_dict())  # and we take torch's
+    torch.testing.assert_close(opt.state[ours]["exp_avg"], ref.state[theirs]["exp_avg"])

@@ -30,10 +30,13 @@ class _ParamGroup(dict):
 class _Group:
     """What the adapter keeps per param group besides torch's group dict."""
 
-    def __init__(self, transform: ps.Transform, names: list[str], params: list[Tensor], compiled: bool) -> None:
+    def __init__(self, transform: ps.Transform, names: list[str], params: list[Tensor], compiled: bool,
+                 differentiable: bool = False) -> None:
         self.names = names
         self.compiled = compiled
-        self.update = ps.make_update(transform, compile=compiled, donate=True)
+        self.differentiable = differentiable
+        # Differentiable: the pure update (autograd records it), its result copied into the params.
+        self.update = ps.make_update(transform, compile=compiled, donate=not differentiable)
         # The params themselves, not detached aliases: a compiled update re-points the
         # tensors it is given into its flat buffers, and the model must follow.
         self.tree = dict(zip(names, params))
@@ -169,14 +172,15 @@ class Optimizer(torch.optim.Optimizer):
         differentiable: bool = False,
         **hyperparams: Any,
     ) -> None:
+        if differentiable and compile:
+            raise ValueError("differentiable=True runs the pure update eagerly, so autograd records it; drop compile=True")
+        self._differentiable = bool(differentiable)
         if differentiable:
-            raise ValueError(
-                "differentiable=True: the Optimizer updates params in place, outside autograd; to differentiate "
-                "through steps use the functional step: ps.make_update(transform) (donate=False) or ps.make_step"
-            )
+            compile = False
         if fused and compile is None:
             compile = True  # purestep's fused step: one compiled kernel over flat buffers
-        self._init_args = (transform, compile, dict(hyperparams))
+        flags = {"foreach": foreach, "fused": fused, "capturable": capturable, "differentiable": differentiable}
+        self._init_args = (transform, compile, {**hyperparams, **{k: v for k, v in flags.items() if v}})
         self.transform = transform
         self._compile = compile
         self._groups: list[_Group] = []
@@ -282,7 +286,7 @@ class Optimizer(torch.optim.Optimizer):
             # As torch.optim: a complex param is its real view (..., 2). A compiled update would
             # re-point the view, not the param, so a group holding one runs eagerly.
             compiled = False
-        g = _Group(transform, names, _real(params), compiled)
+        g = _Group(transform, names, _real(params), compiled, self._differentiable)
         if mirror is not None:
             L.check_torch_layout(g.state, names, mirror)
         g.mirror = mirror
@@ -324,13 +328,20 @@ class Optimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ step
 
-    @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """One update of every group whose params have grads; `closure` (re)computes loss and grads first."""
+        """One update of every group whose params have grads; `closure` (re)computes loss and grads first.
+
+        Outside autograd, as torch.optim; with `differentiable=True` autograd records the step
+        (torch's `differentiable`: params that are non-leaf tensors, e.g. clones, carry it)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        with torch.set_grad_enabled(self._differentiable):
+            self._step()
+        return loss
+
+    def _step(self) -> None:
         for index, (group, g) in enumerate(zip(self.param_groups, self._groups)):
             params = _real(group["params"])
             grads = _real([p.grad for p in group["params"]])
@@ -347,11 +358,15 @@ class Optimizer(torch.optim.Optimizer):
             held = _hold(g, params, grads) if missing else None
             if held is not None:
                 grads = [gr if gr is not None else torch.zeros_like(p) for p, gr in zip(params, grads)]
-            g.state = g.update(g.tree, dict(zip(g.names, grads)), g.state)[1]
+            # Differentiable: the update reads clones (its graph may save what it reads; the params change next).
+            tree = {n: p.clone() for n, p in zip(g.names, params)} if g.differentiable else g.tree
+            new_params, g.state = g.update(tree, dict(zip(g.names, grads)), g.state)[:2]
+            if g.differentiable:
+                for p, new in zip(params, new_params.values()):
+                    p.copy_(new)
             if held is not None:
                 _give_back(g, params, held)
             self._expose(g, group["params"])
-        return loss
 
     # ------------------------------------------------------------------ state
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import inspect
 from typing import Any, Callable, Iterable
 
@@ -25,6 +26,48 @@ class _ParamGroup(dict):
             f"ps.inject_hyperparams(factory)({key}=...), or give Optimizer the factory "
             f"(Optimizer(params, ps.adamw, {key}=...)), so schedulers and param groups can set it"
         )
+
+
+class _State(collections.defaultdict):
+    """torch.optim's `state` (param -> dict): the params' purestep buffers are filled in when
+    it is read, so a step only marks it stale and costs nothing here."""
+
+    def __init__(self, refresh: Callable[[], None]) -> None:
+        super().__init__(dict)
+        self._refresh, self.stale = refresh, True
+
+    def fresh(self) -> "_State":
+        if self.stale:
+            self.stale = False
+            self._refresh()
+        return self
+
+    def __getitem__(self, key: Any) -> Any:
+        return super(_State, self.fresh()).__getitem__(key)
+
+    def __iter__(self) -> Any:
+        return super(_State, self.fresh()).__iter__()
+
+    def __len__(self) -> int:
+        return super(_State, self.fresh()).__len__()
+
+    def __contains__(self, key: Any) -> bool:
+        return super(_State, self.fresh()).__contains__(key)
+
+    def __repr__(self) -> str:
+        return dict.__repr__(self.fresh())
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return super(_State, self.fresh()).get(key, default)
+
+    def items(self) -> Any:
+        return super(_State, self.fresh()).items()
+
+    def keys(self) -> Any:
+        return super(_State, self.fresh()).keys()
+
+    def values(self) -> Any:
+        return super(_State, self.fresh()).values()
 
 
 class _Group:
@@ -215,6 +258,7 @@ class Optimizer(torch.optim.Optimizer):
         flags = {"foreach": foreach, "fused": fused, "capturable": capturable, "differentiable": differentiable}
         defaults.update({k: v for k, v in flags.items() if k in defaults or v})  # what the caller said, as torch keeps it
         super().__init__(params, defaults)
+        self.state = _State(self._expose_all)  # torch's state, the buffers filled in when read
         if self._factory is None:  # what schedulers read (OneCycleLR checks for "betas"/"momentum")
             self.defaults = {k: v for k, v in self.param_groups[0].items() if k not in L.STRUCTURE_KEYS}
 
@@ -309,7 +353,8 @@ class Optimizer(torch.optim.Optimizer):
             group.update(g.pushed)  # the values as the state holds them
         self._push(group, g, index)
         self._groups.append(g)
-        self._expose(g, params)
+        if isinstance(self.state, _State):  # torch.optim's __init__ adds the first groups to a plain dict
+            self.state.stale = True
 
     def _push(self, group: dict[str, Any], g: _Group, index: int) -> None:
         """Write group values that changed into the state; refuse a changed structural one."""
@@ -366,7 +411,7 @@ class Optimizer(torch.optim.Optimizer):
                     p.copy_(new)
             if held is not None:
                 _give_back(g, params, held)
-            self._expose(g, group["params"])
+        self.state.stale = True  # `state` shows the new buffers when it is next read
 
     # ------------------------------------------------------------------ state
 
@@ -477,11 +522,16 @@ class Optimizer(torch.optim.Optimizer):
             group.update({k: v for k, v in trial.items() if k not in ("params", "param_names")})
             self._push(group, g, index)
             for p in group["params"]:  # what code put there before is replaced by what was saved
-                self.state.pop(p, None)
-            self._expose(g, group["params"])
+                dict.pop(self.state, p, None)
+            self.state.stale = True
         for p, extra in zip((p for group in self.param_groups for p in group["params"]), extras):
             if extra:
                 self.state[p].update(extra)
+
+    def _expose_all(self) -> None:
+        for group, g in zip(self.param_groups, self._groups):
+            if not g.lazy:
+                self._expose(g, group["params"])
 
     def _expose(self, g: _Group, params: list[Tensor]) -> None:
         """`self.state[param]` shows the param's own buffers (the live state tensors, torch's

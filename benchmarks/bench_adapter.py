@@ -15,7 +15,9 @@ Contenders, timed round-robin (warm-up, then the median of `--reps` steps):
   adapter, so the adapter's own overhead shows (`--no-raw` skips them).
 
 Prints ms per step, each contender's time over fused and over foreach, achieved GB/s
-against the 28 bytes per param an fp32 AdamW step moves, and the first (compiling) step.
+against the 28 bytes per param an fp32 AdamW step moves, and the first (compiling) step;
+beside them the physical limit, the in-place bandwidth of `a.add_(b)` over as many floats
+(12 B/elem) in the same round-robin, and the fraction of it fused and the adapter reach.
 On CPU each step is timed twice over, by the wall clock and by the process's CPU time
 (`time.process_time`, all its threads), with the minor page faults it took: on a machine
 shared with other jobs, `--threads 1` and the CPU-time columns measure the work a step
@@ -61,6 +63,10 @@ def contenders(numel: int, n: int, device: torch.device, raw: bool):
         opt = Optimizer(torch_params(), ps.adamw, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, compile=compile)
         first[name] = C.first_call(opt.step, device)
         fns[name] = opt.step
+    # The physical limit beside the peers: the in-place bandwidth `a.add_(b)` reaches
+    # (12 B/elem) over the same number of floats, timed in the same round-robin.
+    a, b = torch.ones(numel, device=device), torch.ones(numel, device=device)
+    fns["in-place add_ (bandwidth)"] = lambda: a.add_(b, alpha=1e-3)
     if raw:
         names = [f"p{i}" for i in range(n)]
         transform = ps.inject_hyperparams(ps.adamw)(LR, betas=BETAS, eps=EPS, weight_decay=WD)  # as the adapter runs it
@@ -106,7 +112,8 @@ def run(numel: int, n: int, device: torch.device, reps: int, raw: bool) -> str:
         for clock in clocks:
             fused, foreach = t["torch AdamW fused"][clock], t["torch AdamW foreach"][clock]
             row += [f"{m[clock] * 1e3:.2f}", f"{m[clock] / fused:.3f}", f"{m[clock] / foreach:.3f}"]
-        row += [f"{28 * numel / m['wall'] / 1e9:.1f}"]
+        moved = 12 if name.startswith("in-place") else 28  # bytes per element
+        row += [f"{moved * numel / m['wall'] / 1e9:.1f}"]
         row += [f"{m['faults']:.0f}"] if device.type == "cpu" else []
         row += [f"{first[name]:.1f}" if name in first else ""]
         rows.append(row)
@@ -114,7 +121,7 @@ def run(numel: int, n: int, device: torch.device, reps: int, raw: bool) -> str:
     for clock in clocks:
         what = "wall" if clock == "wall" else "CPU"
         header += [f"{what} ms / step (median)", f"{what} / fused", f"{what} / foreach"]
-    header += ["GB/s (28 B/param, wall)"] + (["page faults / step"] if device.type == "cpu" else []) + ["first step s"]
+    header += ["GB/s (28 B/param; add_ 12 B, wall)"] + (["page faults / step"] if device.type == "cpu" else []) + ["first step s"]
     default = "compiled" if numel >= AUTO_COMPILE_NUMEL else "eager"
     out = f"## {numel / 1e6:.0f}M fp32 params in {n} tensors, {reps} timed steps (default path: {default})\n\n"
     out += C.table(header, rows) + "\n"
@@ -130,6 +137,13 @@ def run(numel: int, n: int, device: torch.device, reps: int, raw: bool) -> str:
                 f"{t['adapter default'][clock] / t['make_update compiled'][clock]:.3f}; "
                 f"adapter eager / make_update eager: {t['adapter eager'][clock] / t['make_update eager'][clock]:.3f}"
             )
+    bw = 12 * numel / t["in-place add_ (bandwidth)"]["wall"]
+    out += (
+        f"\n\nPhysical limit: in-place `add_` moved {bw / 1e9:.1f} GB/s in this run; an fp32 AdamW step must move "
+        f"28 B/param, so at that bandwidth it would take {28 * numel / bw * 1e3:.2f} ms. Of that bound: fused "
+        f"{28 * numel / t['torch AdamW fused']['wall'] / bw:.2f}, adapter default "
+        f"{28 * numel / t['adapter default']['wall'] / bw:.2f}."
+    )
     print(out + "\n", flush=True)
     return out + "\n"
 

@@ -15,6 +15,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from ._base import coefficient
+
 Scalar = float | Tensor
 
 
@@ -133,6 +135,7 @@ def owned(new: Sequence[Any], *others: Any) -> bool:
 
 def axpy_(a: Scalar, xs: list[Tensor], ys: list[Tensor]) -> list[Tensor]:
     """y += a·x in place: call only on a `ys` you own (see `owned`); `ys` keep their dtypes."""
+    a = _coef(a, ys)
     if not _owned_inplace(ys) or not use_foreach(ys, a):
         return cast_like(axpy(a, xs, ys), ys)
     if not isinstance(a, Tensor):
@@ -143,6 +146,11 @@ def axpy_(a: Scalar, xs: list[Tensor], ys: list[Tensor]) -> list[Tensor]:
     else:
         torch._foreach_add_(ys, torch._foreach_mul(xs, a))
     return ys
+
+
+def _coef(s: Scalar, xs: Sequence[Tensor]) -> Scalar:
+    """`s` as the coefficient of elementwise math on `xs` (see `_base.coefficient`)."""
+    return coefficient(s, xs[0]) if xs and isinstance(s, Tensor) else s
 
 
 def is_one(s: Scalar) -> bool:
@@ -168,6 +176,7 @@ def affine_(x: Scalar, us: list[Tensor], y: Scalar, ps: list[Tensor]) -> list[Te
 
 def scale_add_(ps: list[Tensor], a: Scalar, b: Scalar, us: list[Tensor]) -> None:
     """p ← a·p + b·u in place (the params of a donated step; nothing autograd records)."""
+    a, b = _coef(a, ps), _coef(b, ps)
     with torch.no_grad():
         foreach = use_foreach(ps)
         if not is_one(a):
@@ -205,6 +214,7 @@ def sqrt_(xs: list[Tensor]) -> list[Tensor]:
 
 def add_scalar_(xs: list[Tensor], s: Scalar) -> list[Tensor]:
     """x + s, reusing the storage of `xs` where it can: call only on a list you created."""
+    s = _coef(s, xs)
     if _owned_inplace(xs) and use_foreach(xs, s):
         torch._foreach_add_(xs, s)
         return xs
@@ -213,6 +223,7 @@ def add_scalar_(xs: list[Tensor], s: Scalar) -> list[Tensor]:
 
 def mul_(xs: list[Tensor], s: Scalar) -> list[Tensor]:
     """s·x, reusing the storage of `xs` where it can: call only on a list you created."""
+    s = _coef(s, xs)
     if _owned_inplace(xs) and use_foreach(xs, s):
         torch._foreach_mul_(xs, s)
         return xs
@@ -235,6 +246,7 @@ def cast_like(xs: list[Tensor], refs: Sequence[Tensor]) -> list[Tensor]:
 
 def mul(xs: list[Tensor], s: Scalar) -> list[Tensor]:
     """s·x."""
+    s = _coef(s, xs)
     if use_foreach(xs, s):
         return list(torch._foreach_mul(xs, s))
     return [x * s for x in xs]
@@ -242,6 +254,7 @@ def mul(xs: list[Tensor], s: Scalar) -> list[Tensor]:
 
 def add_scalar(xs: list[Tensor], s: Scalar) -> list[Tensor]:
     """x + s."""
+    s = _coef(s, xs)
     # Under torch.compile, _foreach_add with a 0-d tensor bakes the tensor's value into a
     # guard (torch 2.13), so a changed eps would recompile: add it per leaf there instead.
     tensor_in_graph = isinstance(s, Tensor) and torch.compiler.is_compiling()
@@ -266,6 +279,7 @@ def sub(xs: list[Tensor], ys: list[Tensor]) -> list[Tensor]:
 
 def axpy(a: Scalar, xs: list[Tensor], ys: list[Tensor]) -> list[Tensor]:
     """a·x + y."""
+    a = _coef(a, xs)
     if use_foreach(xs, a):
         if isinstance(a, Tensor):
             return list(torch._foreach_add(ys, torch._foreach_mul(xs, a)))
@@ -275,6 +289,7 @@ def axpy(a: Scalar, xs: list[Tensor], ys: list[Tensor]) -> list[Tensor]:
 
 def lincomb(a: Scalar, xs: list[Tensor], b: Scalar, ys: list[Tensor]) -> list[Tensor]:
     """a·x + b·y."""
+    a, b = _coef(a, xs), _coef(b, ys)
     if use_foreach(xs, a, b):
         out = torch._foreach_mul(xs, a)
         if isinstance(b, Tensor):
@@ -289,19 +304,20 @@ def ema(ms: list[Tensor], xs: list[Tensor], decay: Scalar) -> list[Tensor]:
     """decay·m + (1 - decay)·x."""
     if use_foreach(ms) and not isinstance(decay, Tensor):
         return list(torch._foreach_lerp(ms, xs, 1.0 - decay))
-    return lincomb(decay, ms, 1.0 - decay, xs)
+    return lincomb(decay, ms, _coef(1.0 - decay, xs), xs)
 
 
 def ema_sq(vs: list[Tensor], xs: list[Tensor], decay: Scalar) -> list[Tensor]:
     """decay·v + (1 - decay)·x²."""
+    decay, rest = _coef(decay, vs), _coef(1.0 - decay, xs)
     if use_foreach(vs, decay):
         out = torch._foreach_mul(vs, decay)
         if isinstance(decay, Tensor):
-            torch._foreach_add_(out, torch._foreach_mul(torch._foreach_mul(xs, xs), 1.0 - decay))
+            torch._foreach_add_(out, torch._foreach_mul(torch._foreach_mul(xs, xs), rest))
         else:
-            torch._foreach_addcmul_(out, xs, xs, value=1.0 - decay)
+            torch._foreach_addcmul_(out, xs, xs, value=rest)
         return list(out)
-    return [decay * v + (1.0 - decay) * x * x for v, x in zip(vs, xs)]
+    return [decay * v + rest * x * x for v, x in zip(vs, xs)]
 
 
 def mul_each(xs: list[Tensor], ys: list[Tensor]) -> list[Tensor]:

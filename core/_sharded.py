@@ -42,12 +42,18 @@ from ._flat import Packed, PackSpec, Regroup, plan
 from ._flat_step import FlatUpdate, aliases
 
 
-def _dtensor_type() -> Any:
-    if not torch.distributed.is_available():
-        return None
-    from torch.distributed.tensor import DTensor
+_DTENSOR: list = []  # DTensor's class, looked up once (None without torch.distributed)
 
-    return DTensor
+
+def _dtensor_type() -> Any:
+    if not _DTENSOR:
+        if torch.distributed.is_available():
+            from torch.distributed.tensor import DTensor
+
+            _DTENSOR.append(DTensor)
+        else:
+            _DTENSOR.append(None)
+    return _DTENSOR[0]
 
 
 def is_dtensor(x: Any) -> bool:
@@ -56,7 +62,13 @@ def is_dtensor(x: Any) -> bool:
 
 
 def has_dtensors(tree: Any) -> bool:
-    return any(is_dtensor(x) for x in pytree.tree_leaves(tree))
+    cls = _dtensor_type()
+    if cls is None:
+        return False
+    leaves = list(tree.values()) if type(tree) is dict else []  # a flat dict of tensors: no flatten
+    if not leaves or not all(isinstance(x, Tensor) for x in leaves):
+        leaves = pytree.tree_leaves(tree)
+    return any(isinstance(x, cls) for x in leaves)
 
 
 def local(x: Any) -> Any:

@@ -183,6 +183,17 @@ def _scalar_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
+def keeps_buffers(mirror: Mirror | None, group: dict) -> bool:
+    """Whether torch's class keeps per-param buffers for this group: torch.optim.SGD keeps
+    none without momentum (the adapter's state still has one, for a momentum set later)."""
+    return not (mirror is not None and mirror.cls is torch.optim.SGD and group.get("momentum") == 0)
+
+
+def torch_step(count: Tensor) -> Tensor:
+    """A purestep step count as torch.optim keeps `step`: a 0-d float on the CPU."""
+    return count.detach().to(device="cpu", dtype=_scalar_dtype())
+
+
 def check_torch_layout(state: Any, names: list[str], mirror: Mirror) -> None:
     """Refuse a state `mirror.cls` has no place for (a factory that grew new state)."""
     for leaf in classify(state, names):
@@ -201,9 +212,9 @@ def export_torch(state: Any, names: list[str], ids: list[int], mirror: Mirror, g
     count = next(v for leaf, v in zip(leaves, values) if leaf.kind == "count")
     if int(count) == 0:  # a host sync, fine in a state_dict
         return {}
-    if mirror.cls is torch.optim.SGD and group["momentum"] == 0:
-        return {}  # torch.optim.SGD keeps no buffer without momentum
-    step = count.detach().to(device="cpu", dtype=_scalar_dtype())
+    if not keeps_buffers(mirror, group):
+        return {}
+    step = torch_step(count)
     out = {i: {"step": step.clone()} if mirror.has_step else {} for i in ids}
     for leaf, value in zip(leaves, values):
         if leaf.kind == "buffer":

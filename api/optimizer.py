@@ -106,6 +106,7 @@ class _Group:
         """Where each param's own buffers sit among the state's leaves: (leaf, param, name)."""
         roles = [] if self.lazy else L.classify(self.state, self.names)
         self.buffers = [(i, self.names.index(r.param), r.key) for i, r in enumerate(roles) if r.kind == "buffer"]
+        self.count = next((i for i, r in enumerate(roles) if r.kind == "count"), None)  # the step count's leaf
 
     def materialize(self, params: list[Tensor], where: str) -> None:
         """The state of params built on the meta device, once they are real (`to_empty` and init)."""
@@ -530,7 +531,7 @@ class Optimizer(torch.optim.Optimizer):
 
     def _expose_all(self) -> None:
         for group, g in zip(self.param_groups, self._groups):
-            if not g.lazy:
+            if not g.lazy and L.keeps_buffers(g.mirror, group):
                 self._expose(g, group["params"])
 
     def _expose(self, g: _Group, params: list[Tensor]) -> None:
@@ -542,10 +543,14 @@ class Optimizer(torch.optim.Optimizer):
         for i, j, key in g.buffers:
             p = params[j]
             self.state[p][key] = torch.view_as_complex(leaves[i]) if p.is_complex() else leaves[i]
+        if _has_step(g):  # torch's per-param `step`: the group's count, as torch keeps it (a CPU float)
+            step = L.torch_step(leaves[g.count])
+            for p in params:
+                self.state[p]["step"] = step.clone()
 
     def _extras(self, params: list[Tensor], g: _Group) -> list[dict[str, Any]]:
         """What else code put into `self.state[param]` (a wrapper's slow weights, say), per param."""
-        own = [set() for _ in params]
+        own = [{"step"} if _has_step(g) else set() for _ in params]
         for _, j, key in g.buffers:
             own[j].add(key)
         return [{k: v for k, v in self.state.get(p, {}).items() if k not in own[j]} for j, p in enumerate(params)]
@@ -596,6 +601,11 @@ class Optimizer(torch.optim.Optimizer):
 # does not hold is refused (it would do nothing); any other key is kept, unread.
 _HYPERPARAMETERS = frozenset({"lr", "weight_decay", "momentum", "betas", "eps", "nesterov", "dampening", "amsgrad",
                               "maximize", "alpha", "initial_accumulator_value", "lr_decay", "rho"})
+
+
+def _has_step(g: _Group) -> bool:
+    """Whether the group shows torch's per-param `step` (its factory mirrors Adam or AdamW)."""
+    return g.mirror is not None and g.mirror.has_step and g.count is not None
 
 
 def _named(names: list[str]) -> bool:

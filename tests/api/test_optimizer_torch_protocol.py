@@ -179,10 +179,11 @@ def test_state_shows_each_params_buffers_and_a_wrappers_entries_round_trip():
     model = make_model()
     opt = Optimizer(model.parameters(), ps.adamw, lr=1e-2)
     first = next(model.parameters())
-    assert set(opt.state[first]) == {"exp_avg", "exp_avg_sq"} and opt.state[first]["exp_avg"].shape == first.shape
+    assert set(opt.state[first]) == {"step", "exp_avg", "exp_avg_sq"} and opt.state[first]["exp_avg"].shape == first.shape
     la = Lookahead(opt)
     train(model, la, batches(3))
     assert torch.equal(opt.state[first]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])  # the live tensors
+    assert float(opt.state[first]["step"]) == 3.0 and opt.state[first]["step"].dtype == torch.float32  # torch's
     saved = copy.deepcopy(opt.state_dict())
     assert "lookahead_slow" in saved["state"][0]
     twin = make_model()

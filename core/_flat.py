@@ -82,11 +82,27 @@ class _Group:
         return torch.Size([self.numel])
 
     def views(self, buffer: Tensor) -> list[Tensor]:
-        """Each member's view into `buffer` (a tensor of this group's shape)."""
+        """Each member's view into `buffer`: a tensor of this group's shape, or per-row state
+        of a lone leaf or a stack (a leading part of the shape, see `holds`)."""
         if len(self.members) == 1:
             return [buffer]
+        if buffer.shape != self.shape:  # a stack's per-member rows, (k, *rows)
+            return list(buffer.unbind(0))
         flat = buffer.reshape(-1)
         return [flat[m.offset : m.offset + m.numel].view(m.shape) for m in self.members]
+
+
+def holds(group: _Group, shape: Sequence[int], full: Sequence[int]) -> bool:
+    """Whether a state entry of `shape` can stand for `group`'s leaves, `full` being the
+    shape the group's buffers have: that shape, or, for a lone leaf or a stack, a leading
+    part of it (a statistic per row, as NorMuon's second moment: (rows,) per leaf, (k, rows)
+    per stack), viewed per member."""
+    shape, full = tuple(shape), tuple(full)
+    if shape == full:
+        return True
+    lead = 2 if group.is_stack else 1
+    whole = len(group.members) == 1 or group.is_stack
+    return whole and lead <= len(shape) < len(full) and shape == full[: len(shape)]
 
 
 class PackSpec:
@@ -144,7 +160,7 @@ class Packed(dict):
         """The unpacked tree, each leaf a view into its group's tensor."""
         views: dict[int, Tensor] = {}
         for group, value in zip(self.pack_spec.groups, self.values()):
-            if not isinstance(value, Tensor) or value.shape != group.shape:
+            if not isinstance(value, Tensor) or not holds(group, value.shape, group.shape):
                 raise Regroup.unsupported(f"a state entry of shape {getattr(value, 'shape', value)} per packed group")
             views.update((m.index, v) for m, v in zip(group.members, group.views(value)))
         return pytree.tree_unflatten([views[m.index] for m in self.pack_spec.members_in_order], self.pack_spec.orig_spec)
@@ -369,9 +385,18 @@ def _close(a: Any, b: Any) -> bool:
 
 
 def _check_viewable(state: Any, fake: Packed) -> None:
-    """Every packed entry of `state` must be shaped like the params, so that each leaf's
-    part can be a view (a per-leaf scalar, say, is not)."""
-    shapes = {g.key: v.shape for g, v in zip(fake.pack_spec.groups, fake.values())}
+    """Every packed entry of `state` must be shaped like the params, or hold per-row state
+    of whole leaves (`holds`; not over shards), so that each leaf's part can be a view (a
+    per-leaf scalar, say, cannot)."""
+    spec = fake.pack_spec
+    groups = {g.key: (g, v.shape) for g, v in zip(spec.groups, fake.values())}
     for node in pytree.tree_leaves(state, is_leaf=is_packed):
-        if is_packed(node) and any(getattr(v, "shape", None) != shapes[k] for k, v in node.items()):
-            raise Regroup.unsupported("the state holds per-leaf entries that are not shaped like the params")
+        if not is_packed(node):
+            continue
+        for key, v in node.items():
+            group, full = groups[key]
+            shape = getattr(v, "shape", None)
+            if shape is None or not holds(group, shape, full):
+                raise Regroup.unsupported("the state holds per-leaf entries that are not shaped like the params")
+            if shape != full and spec.shard is not None:
+                raise Regroup.unsupported("per-row state is not laid out over FSDP2 shards")

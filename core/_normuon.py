@@ -68,9 +68,9 @@ def scale_by_normuon(
     """NorMuon's normalized, orthogonalized momentum; see `normuon` for the rule.
 
     Every leaf must have >= 2 dims; a leaf of shape (A, ...) is an A × prod(rest) matrix
-    whose A rows are the neurons. The second moment is per row, so the state is not shaped
-    like the params: `make_update` runs this block per leaf (compiled per leaf with
-    `compile=True`; under FSDP2, on the whole DTensor leaves), not on flat buffers.
+    whose A rows are the neurons. The second moment is per row: on flat buffers it is
+    (k, A) for a stack of k same-shape matrices, which run batched as Muon's do; under
+    FSDP2 this block runs on the whole DTensor leaves.
 
     Example:
         >>> import torch, purestep.core as ps
@@ -90,12 +90,13 @@ def scale_by_normuon(
         raise ValueError(f"emulate_bf16 must be True, False or None, got {emulate_bf16!r}")
 
     def init(params: Params) -> ScaleByNorMuonState:
-        lay.whole_leaves(params)  # per-row statistics and a norm per matrix
+        lay.whole_leaves(params, stacks=True)  # per-matrix math: same-shape matrices stacked
         _check_matrices(params, "params")
-        leaves = pytree.tree_leaves(params)
+        leaves, spec = pytree.tree_flatten(params)
         mu = pytree.tree_map(torch.zeros_like, params)
-        nu = pytree.tree_map(lambda p: torch.zeros(p.shape[0], dtype=_wide(p.dtype), device=p.device), params)
-        return ScaleByNorMuonState(zero_count(leaf_device(leaves)), mu, nu)
+        # One value per row: (rows,) per matrix, (k, rows) for a stack of k.
+        nu = [torch.zeros(p.shape[: 1 + k], dtype=_wide(p.dtype), device=p.device) for p, k in zip(leaves, lay.stacked(params))]
+        return ScaleByNorMuonState(zero_count(leaf_device(leaves)), mu, pytree.tree_unflatten(nu, spec))
 
     def update(grads, state, params=None, **extra):
         _check_matrices(grads, "grads")
@@ -104,16 +105,19 @@ def scale_by_normuon(
         beta, b2 = resolve(momentum, state.count), resolve(beta2, state.count)
         mu = ls.cast_like(ls.ema(mu, gs, beta), mu)  # m ← β·m + (1-β)·g
         src = ls.cast_like(ls.ema(gs, mu, 1.0 - beta), gs) if nesterov else mu  # m̃ = (1-β)·g + β·m
-        ortho = orthogonalize_leaves(src, coefficients, safety, _NS_EPS, ns_dtype, emulate_bf16)
+        stacked = lay.stacked(grads)
+        ortho = orthogonalize_leaves(src, coefficients, safety, _NS_EPS, ns_dtype, emulate_bf16, stacked)
         out, new_nu = [], []
-        for o, v, g in zip(ortho, nu, gs):
-            rows, cols = _rows(o)
-            o2 = o.reshape(rows, cols).to(_wide(o.dtype))
-            v = v * b2 + o2.square().mean(dim=1) * (1.0 - b2)  # v ← β₂·v + (1-β₂)·mean_cols(O²)
-            normed = o2 / (v.sqrt() + eps).unsqueeze(1)  # Ô = O / (√v + ε), per row
-            scale = 0.2 * math.sqrt(rows * cols) / (torch.linalg.vector_norm(normed) + eps)
+        for o, v, g, k in zip(ortho, nu, gs, stacked):
+            # Batched over a stack's k matrices (k = 1 for a lone one), each rows × cols.
+            rows, cols = _rows(o[0] if k else o)
+            o2 = o.reshape(-1, rows, cols).to(_wide(o.dtype))
+            v = v.reshape(-1, rows) * b2 + o2.square().mean(dim=2) * (1.0 - b2)  # v ← β₂·v + (1-β₂)·mean_cols(O²)
+            normed = o2 / (v.sqrt() + eps).unsqueeze(2)  # Ô = O / (√v + ε), per row
+            norm = torch.linalg.vector_norm(normed, dim=(1, 2), keepdim=True)
+            scale = 0.2 * math.sqrt(rows * cols) / (norm + eps)
             out.append((normed * scale).reshape(g.shape).to(g.dtype))  # RMS 0.2, as AdamW's
-            new_nu.append(v)
+            new_nu.append(v.reshape(g.shape[: 1 + k]))
         mu_tree = pytree.tree_unflatten(mu, pytree.tree_structure(state.mu))
         nu_tree = pytree.tree_unflatten(new_nu, pytree.tree_structure(state.nu))
         return pytree.tree_unflatten(out, spec), ScaleByNorMuonState(state.count + 1, mu_tree, nu_tree)
@@ -153,9 +157,8 @@ def normuon(
       eps: ε of the per-row normalization (1e-10, the authors' code).
 
     Warning:
-        Leaves with fewer than 2 dims raise: use `normuon_adamw`. The per-row state is not
-        shaped like the params, so the step runs per leaf, not on flat buffers (see
-        `scale_by_normuon`).
+        Leaves with fewer than 2 dims raise: use `normuon_adamw`. Under FSDP2 the step
+        runs on the whole DTensor leaves, not owner-computes (see `scale_by_normuon`).
 
     Example:
         >>> import torch, purestep.core as ps

@@ -339,7 +339,9 @@ def make_update(
     - grads are copied into a flat grad buffer and the grad tensors passed are re-pointed
       into it, so a `loss.backward()` after `zero_grad(set_to_none=False)` writes there
       directly and the next call copies nothing;
-    - transforms whose state is not shaped like the params keep a per-leaf path.
+    - transforms whose state is not shaped like the params keep a per-leaf path, except
+      per-row statistics of whole matrices (a leading part of each leaf's shape, as
+      NorMuon's second moment), which get buffers of their own.
 
     FSDP2 (DTensor params, grads and state), `donate=True`, compiled or not: the same flat
     buffers over this rank's row blocks; tree-wide reductions are local partials plus one

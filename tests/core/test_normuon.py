@@ -103,3 +103,28 @@ def test_the_config_names_normuon_adamw():
     params = {"h.0.weight": torch.randn(4, 4), "b": torch.zeros(4)}
     state = t.init(params)
     assert float(ps.get_hyperparams(state)["beta2"]) == 0.9 and "h.0.weight" in str(state)
+
+
+def test_flat_compiled_normuon_runs_batched_over_same_shape_stacks():
+    # Two 6x4 matrices form one (2, 6, 4) stack with a (2, 6) second moment; the 3x7 and the
+    # conv filter are groups alone. The compiled flat step follows the per-matrix rule.
+    gen = torch.Generator().manual_seed(1)
+    shapes = {"a": (6, 4), "b": (3, 7), "a2": (6, 4), "conv": (4, 2, 3)}
+    params = {k: torch.randn(s, generator=gen, dtype=torch.float64) for k, s in shapes.items()}
+    grads = [{k: torch.randn(v.shape, generator=gen, dtype=torch.float64) for k, v in params.items()} for _ in range(6)]
+    opt = ps.inject_hyperparams(ps.normuon)(lr=0.05, weight_decay=0.1, ns_dtype=torch.float64)
+    ours, state = {k: v.clone() for k, v in params.items()}, opt.init(params)
+    nu = state.inner_state[0].nu
+    step = ps.make_update(opt, compile=True, donate=True)
+    for i, g in enumerate(grads):
+        step(ours, {k: x.clone() for k, x in g.items()}, state)
+        if i == 1:
+            torch.compiler.set_stance("fail_on_recompile")
+    torch.compiler.set_stance("default")
+    assert step.explain().startswith("flat"), step.explain()
+    assert sorted(map(sorted, step.layout().values())) == [["a", "a2"], ["b"], ["conv"]]
+    want = reference(params, grads, 0.05, wd=0.1)
+    for k in params:
+        torch.testing.assert_close(ours[k], want[k], rtol=1e-8, atol=1e-10)
+    assert nu["a"].shape == (6,) and nu["a"].data_ptr() != nu["a2"].data_ptr()  # the user's rows, viewed per matrix
+    assert float(nu["a"].abs().sum()) > 0 and state.inner_state[0].nu is nu

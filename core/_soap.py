@@ -17,6 +17,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from . import _layout as lay
+from . import _precision as lp
 from ._base import (
     Params,
     ScalarOrSchedule,
@@ -151,6 +152,10 @@ def scale_by_soap(
     precondition_1d: bool = False,
     normalize_grads: bool = False,
     correct_bias: bool = True,
+    *,
+    mu_dtype: torch.dtype | None = None,
+    nu_dtype: torch.dtype | None = None,
+    rounding: str = "stochastic",
 ) -> Transform:
     """SOAP's preconditioned direction (the update before lr and decay); see `soap`.
 
@@ -173,6 +178,9 @@ def scale_by_soap(
     check_positive("eps", eps)
     check_int("precondition_frequency", precondition_frequency, 1)
     check_int("max_precond_dim", max_precond_dim, 1)
+    lp.check_state_dtype("mu_dtype", mu_dtype)
+    lp.check_state_dtype("nu_dtype", nu_dtype)
+    lp.check_rounding(rounding)
     sb = b2 if shampoo_beta is None else shampoo_beta
 
     def shape_of(p: Tensor) -> tuple[int, ...]:
@@ -191,7 +199,8 @@ def scale_by_soap(
         wide = lambda p: torch.promote_types(p.dtype, torch.float32)  # noqa: E731
         mats = lambda p: tuple(torch.zeros((d, d), dtype=wide(p), device=p.device) for d in factor_dims(p))  # noqa: E731
         zeros = lambda p: torch.zeros(p.shape, dtype=wide(p), device=p.device)  # noqa: E731
-        return SOAPState(zero_count(leaf_device(leaves)), pytree.tree_map(zeros, params), pytree.tree_map(zeros, params),
+        moments = lambda d: pytree.tree_map(zeros, params) if d is None else lp.init_moments(params, d)  # noqa: E731
+        return SOAPState(zero_count(leaf_device(leaves)), moments(mu_dtype), moments(nu_dtype),
                          pytree.tree_map(mats, params), pytree.tree_map(mats, params))
 
     def update(grads, state, params=None, **extra):
@@ -203,13 +212,17 @@ def scale_by_soap(
         first = count == 0
         refresh = (count > 0) & (count % precondition_frequency == 0)
         outs, mus, nus, ggs, qs = [], [], [], [], []
-        pairs = zip(pytree.tree_leaves(grads), pytree.tree_leaves(state.mu), pytree.tree_leaves(state.nu),
+        # The moments in the compute dtype (float32, or float64 for float64 params), whatever they are stored in.
+        gs, wide, mu_in = lp.load_moments(grads, state.mu, params)
+        nu_in = lp.load_moments(grads, state.nu, second=True)[2]
+        pairs = zip(gs, wide, mu_in, nu_in,
                     pytree.tree_leaves(state.gg, is_leaf=lambda x: isinstance(x, tuple)),
                     pytree.tree_leaves(state.q, is_leaf=lambda x: isinstance(x, tuple)))
-        for g, mu, nu, gg, q in pairs:
+        for g, g_wide, mu, nu, gg, q in pairs:
             shape = shape_of(g)
-            gw = g.to(mu.dtype).reshape(shape)
-            mu_, nu_ = mu.reshape(shape), nu.reshape(shape)
+            cd = torch.promote_types(g.dtype, torch.float32)  # the factors' dtype too
+            gw = g_wide.to(cd).reshape(shape)
+            mu_, nu_ = mu.to(cd).reshape(shape), nu.to(cd).reshape(shape)
 
             have = [f.numel() > 0 for f in gg]  # static: which dimensions are preconditioned
             full = lambda xs: _spread(xs, have)  # noqa: E731
@@ -257,7 +270,10 @@ def scale_by_soap(
             nus.append(out[2].reshape(nu.shape))
         spec = pytree.tree_structure(grads)
         unflat = lambda xs: pytree.tree_unflatten(xs, spec)  # noqa: E731
-        return unflat(outs), SOAPState(count + 1, unflat(mus), unflat(nus), unflat(ggs), unflat(qs))
+        keys = lp.moment_keys(count, rounding, state.mu, state.nu)
+        mu_out = lp.store_moments(mus, state.mu, keys)
+        nu_out = lp.store_moments(nus, state.nu, keys, second=True)
+        return unflat(outs), SOAPState(count + 1, mu_out, nu_out, unflat(ggs), unflat(qs))
 
     return Transform(init, update)
 
@@ -278,6 +294,10 @@ def soap(
     precondition_1d: bool = False,
     normalize_grads: bool = False,
     correct_bias: bool = True,
+    *,
+    mu_dtype: torch.dtype | None = None,
+    nu_dtype: torch.dtype | None = None,
+    rounding: str = "stochastic",
 ) -> Transform:
     """SOAP (Vyas et al. 2024): Adam run in the eigenbasis of Shampoo's preconditioner.
 
@@ -300,6 +320,11 @@ def soap(
     Args:
       lr: η. betas: (β₁, β₂). weight_decay: λ. eps: ε. correct_bias: Adam's bias
         correction. Other arguments as the reference's.
+      mu_dtype, nu_dtype, rounding: where m and v (in the eigenbasis) are stored, as
+        `adam`'s: bfloat16/float16 rounded stochastically (or to nearest), fp8 8-bit
+        block-quantized; None keeps them in float32 (float64 for float64 params), as the
+        reference does. The step computes in float32 either way; the factors and bases
+        stay in float32.
 
     Warning:
         A step runs per leaf (factors are d × d matrices, not shaped like the params), so
@@ -325,7 +350,8 @@ def soap(
     check_hyperparam("weight_decay", weight_decay)
     check_nonnegative("weight_decay", weight_decay)
     inner = scale_by_soap(betas[0], betas[1], shampoo_beta, eps, precondition_frequency, max_precond_dim, merge_dims,
-                          precondition_1d, normalize_grads, correct_bias)
+                          precondition_1d, normalize_grads, correct_bias, mu_dtype=mu_dtype, nu_dtype=nu_dtype,
+                          rounding=rounding)
 
     def update(grads, state, params=None, **extra):
         if params is None:

@@ -83,3 +83,46 @@ def test_the_config_names_soap():
     cfg = apply_overrides(TrainConfig(), ["optimizer.name=soap", 'optimizer.kwargs={"precondition_frequency": 5}'])
     state = cfg.build_optimizer().init({"w": torch.randn(4, 4)})
     assert "SOAPState" in str(state)
+
+
+def test_bf16_moments_are_the_float32_run_with_its_moments_rounded_each_step():
+    # Rounded to nearest, bf16 storage is exactly: compute in float32, round m and v to bf16
+    # after every update, read them back. Emulated on the float32 run by rounding its state.
+    gen = torch.Generator().manual_seed(3)
+    start = {k: torch.randn(s, generator=gen) for k, s in SHAPES.items()}
+    grads = [{k: torch.randn(s, generator=gen) for k, s in SHAPES.items()} for _ in range(12)]
+    low = ps.soap(0.01, precondition_frequency=3, mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16, rounding="nearest")
+    plain = ps.soap(0.01, precondition_frequency=3)
+    p_low, s_low = dict(start), low.init(start)
+    p_ref, s_ref = dict(start), plain.init(start)
+    rounded = lambda tree: ps.tree_map(lambda x: x.to(torch.bfloat16).float(), tree)  # noqa: E731
+    for g in grads:
+        u, s_low = low.update(g, s_low, p_low)
+        p_low = ps.apply_updates(p_low, u)
+        u, s_ref = plain.update(g, s_ref, p_ref)
+        p_ref = ps.apply_updates(p_ref, u)
+        s_ref = s_ref._replace(mu=rounded(s_ref.mu), nu=rounded(s_ref.nu))
+    assert s_low.mu["w"].dtype == s_low.nu["conv"].dtype == torch.bfloat16
+    for k in SHAPES:
+        torch.testing.assert_close(p_low[k], p_ref[k], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(s_low.mu[k].float(), s_ref.mu[k], rtol=0, atol=0)
+    assert any(not torch.equal(p_low[k], ps.apply_updates(start, u)[k]) for k in SHAPES)
+
+
+def test_8bit_moments_train_close_to_float32_ones():
+    gen = torch.Generator().manual_seed(4)
+    start = {"big": torch.randn(96, 64, generator=gen)}  # above the quantization threshold
+    grads = [{"big": torch.randn(96, 64, generator=gen)} for _ in range(10)]
+    runs = {}
+    for name, kw in {"fp8": {"mu_dtype": torch.float8_e4m3fn, "nu_dtype": torch.float8_e4m3fn}, "fp32": {}}.items():
+        opt = ps.soap(0.01, precondition_frequency=3, **kw)
+        p, s = dict(start), opt.init(start)
+        for g in grads:
+            u, s = opt.update(g, s, p)
+            p = ps.apply_updates(p, u)
+        runs[name] = (p["big"], s)
+    assert type(runs["fp8"][1].mu["big"]).__name__ == "QuantizedTensor"
+    moved = (runs["fp32"][0] - start["big"]).norm()
+    assert float((runs["fp8"][0] - runs["fp32"][0]).norm() / moved) < 0.1
+    with pytest.raises(ValueError, match="mu_dtype"):
+        ps.soap(mu_dtype=torch.int8)

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from . import _layout as lay
 from . import _lists as ls
+from . import _precision as lp
 from ._base import (
     Params,
     ScalarOrSchedule,
@@ -64,8 +65,12 @@ def scale_by_normuon(
     ns_dtype: torch.dtype = torch.bfloat16,
     eps: float = 1e-10,
     emulate_bf16: bool | None = None,
+    mu_dtype: torch.dtype | None = None,
+    rounding: str = "stochastic",
 ) -> Transform:
-    """NorMuon's normalized, orthogonalized momentum; see `normuon` for the rule.
+    """NorMuon's normalized, orthogonalized momentum; see `normuon` for the rule, `adam`
+    for `mu_dtype` and `rounding` (the momentum's storage; the per-row second moment is
+    small and stays float32).
 
     Every leaf must have >= 2 dims; a leaf of shape (A, ...) is an A × prod(rest) matrix
     whose A rows are the neurons. The second moment is per row: on flat buffers it is
@@ -85,6 +90,8 @@ def scale_by_normuon(
         check_nonnegative(name, value)
     check_muon_args(ns_steps, ns_coefficients, ns_dtype, "original", _NS_EPS)
     check_positive("eps", eps)
+    lp.check_state_dtype("mu_dtype", mu_dtype)
+    lp.check_rounding(rounding)
     coefficients, safety = _coefficient_schedule(ns_coefficients, ns_steps)
     if emulate_bf16 is not None and not isinstance(emulate_bf16, bool):
         raise ValueError(f"emulate_bf16 must be True, False or None, got {emulate_bf16!r}")
@@ -93,18 +100,19 @@ def scale_by_normuon(
         lay.whole_leaves(params, stacks=True)  # per-matrix math: same-shape matrices stacked
         _check_matrices(params, "params")
         leaves, spec = pytree.tree_flatten(params)
-        mu = pytree.tree_map(torch.zeros_like, params)
+        mu = lp.init_moments(params, mu_dtype)
         # One value per row: (rows,) per matrix, (k, rows) for a stack of k.
         nu = [torch.zeros(p.shape[: 1 + k], dtype=_wide(p.dtype), device=p.device) for p, k in zip(leaves, lay.stacked(params))]
         return ScaleByNorMuonState(zero_count(leaf_device(leaves)), mu, pytree.tree_unflatten(nu, spec))
 
     def update(grads, state, params=None, **extra):
         _check_matrices(grads, "grads")
-        gs, spec = pytree.tree_flatten(grads)
-        mu, nu = pytree.tree_leaves(state.mu), pytree.tree_leaves(state.nu)
+        gs, wide, mu = lp.load_moments(grads, state.mu, params)
+        spec = pytree.tree_structure(grads)
+        nu = pytree.tree_leaves(state.nu)
         beta, b2 = resolve(momentum, state.count), resolve(beta2, state.count)
-        mu = ls.cast_like(ls.ema(mu, gs, beta), mu)  # m ← β·m + (1-β)·g
-        src = ls.cast_like(ls.ema(gs, mu, 1.0 - beta), gs) if nesterov else mu  # m̃ = (1-β)·g + β·m
+        mu = ls.cast_like(ls.ema(mu, wide, beta), wide)  # m ← β·m + (1-β)·g
+        src = ls.cast_like(ls.ema(wide, mu, 1.0 - beta), wide) if nesterov else mu  # m̃ = (1-β)·g + β·m
         stacked = lay.stacked(grads)
         ortho = orthogonalize_leaves(src, coefficients, safety, _NS_EPS, ns_dtype, emulate_bf16, stacked)
         out, new_nu = [], []
@@ -118,7 +126,7 @@ def scale_by_normuon(
             scale = 0.2 * math.sqrt(rows * cols) / (norm + eps)
             out.append((normed * scale).reshape(g.shape).to(g.dtype))  # RMS 0.2, as AdamW's
             new_nu.append(v.reshape(g.shape[: 1 + k]))
-        mu_tree = pytree.tree_unflatten(mu, pytree.tree_structure(state.mu))
+        mu_tree = lp.store_moments(mu, state.mu, lp.moment_keys(state.count, rounding, state.mu))
         nu_tree = pytree.tree_unflatten(new_nu, pytree.tree_structure(state.nu))
         return pytree.tree_unflatten(out, spec), ScaleByNorMuonState(state.count + 1, mu_tree, nu_tree)
 
@@ -137,6 +145,8 @@ def normuon(
     eps: float = 1e-10,
     *,
     emulate_bf16: bool | None = None,
+    mu_dtype: torch.dtype | None = None,
+    rounding: str = "stochastic",
 ) -> Transform:
     """NorMuon (Li et al. 2025): Muon with a per-neuron second moment.
 
@@ -153,7 +163,8 @@ def normuon(
 
     Args:
       lr: η. momentum: β. beta2: β₂. nesterov, ns_steps, ns_dtype, ns_coefficients,
-        emulate_bf16: as `muon`. weight_decay: λ, decoupled.
+        emulate_bf16: as `muon`. weight_decay: λ, decoupled. mu_dtype, rounding: the
+        momentum's storage, as `adam`'s (v, one value per row, stays float32).
       eps: ε of the per-row normalization (1e-10, the authors' code).
 
     Warning:
@@ -175,7 +186,7 @@ def normuon(
     check_nonnegative("lr", lr)
     block = scale_by_normuon(
         momentum, beta2, nesterov, ns_steps, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, eps=eps,
-        emulate_bf16=emulate_bf16,
+        emulate_bf16=emulate_bf16, mu_dtype=mu_dtype, rounding=rounding,
     )
     return chain(block, add_decayed_weights(weight_decay), scale_by_lr(lr))
 

@@ -128,3 +128,22 @@ def test_flat_compiled_normuon_runs_batched_over_same_shape_stacks():
         torch.testing.assert_close(ours[k], want[k], rtol=1e-8, atol=1e-10)
     assert nu["a"].shape == (6,) and nu["a"].data_ptr() != nu["a2"].data_ptr()  # the user's rows, viewed per matrix
     assert float(nu["a"].abs().sum()) > 0 and state.inner_state[0].nu is nu
+
+
+def test_bf16_momentum_is_the_float32_run_with_its_momentum_rounded_each_step():
+    gen = torch.Generator().manual_seed(2)
+    start = {"a": torch.randn(6, 4, generator=gen), "conv": torch.randn(4, 2, 3, generator=gen)}
+    grads = [{k: torch.randn(v.shape, generator=gen) for k, v in start.items()} for _ in range(8)]
+    low = ps.normuon(0.05, ns_dtype=torch.float32, mu_dtype=torch.bfloat16, rounding="nearest")
+    plain = ps.normuon(0.05, ns_dtype=torch.float32)
+    p_low, s_low, p_ref, s_ref = dict(start), low.init(start), dict(start), plain.init(start)
+    for g in grads:
+        u, s_low = low.update(g, s_low, p_low)
+        p_low = ps.apply_updates(p_low, u)
+        u, s_ref = plain.update(g, s_ref, p_ref)
+        p_ref = ps.apply_updates(p_ref, u)
+        mu = ps.tree_map(lambda x: x.to(torch.bfloat16).float(), s_ref[0].mu)
+        s_ref = (s_ref[0]._replace(mu=mu), *s_ref[1:])
+    assert s_low[0].mu["a"].dtype == torch.bfloat16 and s_low[0].nu["a"].dtype == torch.float32
+    for k in start:
+        torch.testing.assert_close(p_low[k], p_ref[k], rtol=1e-5, atol=1e-6)

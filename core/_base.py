@@ -190,7 +190,7 @@ def once(x: Tensor) -> Tensor:
 
 
 def coefficient(s: Any, like: Tensor) -> Any:
-    """A 0-d tensor coefficient `s` of elementwise math on `like`, in compiled code: cast
+    """A 0-d tensor coefficient `s` of elementwise math on `like`, in compiled CPU code: cast
     once per step to the dtype that math runs in (float32 for float32 and narrower
     leaves, as the kernels compute; float64 for float64) and computed by `once`. Inlined,
     a float64 hyperparameter is converted, and `1 - β` or `1 / bc` recomputed, in every
@@ -199,7 +199,9 @@ def coefficient(s: Any, like: Tensor) -> Any:
     """
     if not (isinstance(s, Tensor) and s.dim() == 0 and torch.compiler.is_compiling()):
         return s
-    if not (s.dtype.is_floating_point and like.dtype.is_floating_point):
+    # CPU only: a GPU kernel reads a scalar once per thread, and there each `once` would be
+    # one more kernel launch outside a CUDA graph.
+    if not (s.dtype.is_floating_point and like.dtype.is_floating_point and like.device.type == "cpu"):
         return s
     compute = torch.float64 if like.dtype == torch.float64 else torch.float32
     return once(s.to(compute))

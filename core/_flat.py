@@ -386,8 +386,8 @@ def _close(a: Any, b: Any) -> bool:
 
 def _check_viewable(state: Any, fake: Packed) -> None:
     """Every packed entry of `state` must be shaped like the params, or hold per-row state
-    of whole leaves (`holds`; not over shards), so that each leaf's part can be a view (a
-    per-leaf scalar, say, cannot)."""
+    of whole leaves (`holds`; over FSDP2 shards, the rows this rank holds), so that each
+    leaf's part can be a view (a per-leaf scalar, say, cannot)."""
     spec = fake.pack_spec
     groups = {g.key: (g, v.shape) for g, v in zip(spec.groups, fake.values())}
     for node in pytree.tree_leaves(state, is_leaf=is_packed):
@@ -398,5 +398,3 @@ def _check_viewable(state: Any, fake: Packed) -> None:
             shape = getattr(v, "shape", None)
             if shape is None or not holds(group, shape, full):
                 raise Regroup.unsupported("the state holds per-leaf entries that are not shaped like the params")
-            if shape != full and spec.shard is not None:
-                raise Regroup.unsupported("per-row state is not laid out over FSDP2 shards")

@@ -31,6 +31,7 @@ from ._decay import add_decayed_weights
 from ._muon import NS5_COEFFICIENTS, Coefficients, _check_matrices, _coefficient_schedule, check_muon_args
 from ._muon import muon_labels, orthogonalize_leaves
 from ._optimizers import adamw
+from ._sharded import is_dtensor
 from ._scaling import scale_by_lr
 
 _NS_EPS = 1e-7  # the Newton-Schulz normalization's, as scale_by_muon's default
@@ -51,8 +52,17 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _rows(x: Tensor) -> tuple[int, int]:
-    return x.shape[0], math.prod(x.shape[1:])
+def _row_zeros(p: Tensor, stacked: bool) -> Tensor:
+    """Zeros, one per row of `p` ((k, rows) for a stack of k), in the normalization's dtype;
+    for an FSDP2 param (a DTensor sharded on its rows) sharded the same way, so that each
+    rank keeps the rows it holds."""
+    shape, dtype = p.shape[: 1 + stacked], _wide(p.dtype)
+    if not is_dtensor(p):
+        return torch.zeros(shape, dtype=dtype, device=p.device)
+    from torch.distributed.tensor import Replicate, Shard, zeros
+
+    rows = [q if isinstance(q, Shard) and q.dim == 0 else Replicate() for q in p.placements]
+    return zeros(shape, dtype=dtype, device_mesh=p.device_mesh, placements=rows)
 
 
 def scale_by_normuon(
@@ -74,8 +84,10 @@ def scale_by_normuon(
 
     Every leaf must have >= 2 dims; a leaf of shape (A, ...) is an A × prod(rest) matrix
     whose A rows are the neurons. The second moment is per row: on flat buffers it is
-    (k, A) for a stack of k same-shape matrices, which run batched as Muon's do; under
-    FSDP2 this block runs on the whole DTensor leaves.
+    (k, A) for a stack of k same-shape matrices, which run batched as Muon's do. Under
+    FSDP2 each matrix is orthogonalized once, on its owner rank, as Muon's; each rank keeps
+    the rows of v it holds (a DTensor sharded like the param's rows) and the norm of Ô is
+    summed across ranks.
 
     Example:
         >>> import torch, purestep.core as ps
@@ -101,8 +113,7 @@ def scale_by_normuon(
         _check_matrices(params, "params")
         leaves, spec = pytree.tree_flatten(params)
         mu = lp.init_moments(params, mu_dtype)
-        # One value per row: (rows,) per matrix, (k, rows) for a stack of k.
-        nu = [torch.zeros(p.shape[: 1 + k], dtype=_wide(p.dtype), device=p.device) for p, k in zip(leaves, lay.stacked(params))]
+        nu = [_row_zeros(p, k) for p, k in zip(leaves, lay.stacked(params))]
         return ScaleByNorMuonState(zero_count(leaf_device(leaves)), mu, pytree.tree_unflatten(nu, spec))
 
     def update(grads, state, params=None, **extra):
@@ -114,18 +125,25 @@ def scale_by_normuon(
         mu = ls.cast_like(ls.ema(mu, wide, beta), wide)  # m ← β·m + (1-β)·g
         src = ls.cast_like(ls.ema(wide, mu, 1.0 - beta), wide) if nesterov else mu  # m̃ = (1-β)·g + β·m
         stacked = lay.stacked(grads)
-        ortho = orthogonalize_leaves(src, coefficients, safety, _NS_EPS, ns_dtype, emulate_bf16, stacked)
-        out, new_nu = [], []
-        for o, v, g, k in zip(ortho, nu, gs, stacked):
-            # Batched over a stack's k matrices (k = 1 for a lone one), each rows × cols.
-            rows, cols = _rows(o[0] if k else o)
-            o2 = o.reshape(-1, rows, cols).to(_wide(o.dtype))
-            v = v.reshape(-1, rows) * b2 + o2.square().mean(dim=2) * (1.0 - b2)  # v ← β₂·v + (1-β₂)·mean_cols(O²)
-            normed = o2 / (v.sqrt() + eps).unsqueeze(2)  # Ô = O / (√v + ε), per row
-            norm = torch.linalg.vector_norm(normed, dim=(1, 2), keepdim=True)
-            scale = 0.2 * math.sqrt(rows * cols) / (norm + eps)
-            out.append((normed * scale).reshape(g.shape).to(g.dtype))  # RMS 0.2, as AdamW's
-            new_nu.append(v.reshape(g.shape[: 1 + k]))
+
+        def orthogonal(mats: list[Tensor], flags: list[bool]) -> list[Tensor]:
+            # On whole matrices (over FSDP2 shards: once, on each matrix's owner rank).
+            return orthogonalize_leaves(mats, coefficients, safety, _NS_EPS, ns_dtype, emulate_bf16, flags)
+
+        # Everything after the orthogonalization is per row, but the norm: on FSDP2 shards
+        # each rank normalizes its rows and `leaf_norms` sums the squares across ranks.
+        shapes = lay.global_shapes(grads)  # the whole matrix (a stack's member)
+        normed, new_nu = [], []
+        for o, v, k, full in zip(lay.map_matrices(grads, orthogonal, src), nu, stacked, shapes):
+            n, rows, cols = (o.shape[0] if k else 1), o.shape[1 if k else 0], math.prod(o.shape[2 if k else 1 :])
+            o2 = o.reshape(n, rows, cols).to(_wide(o.dtype))  # a stack's k matrices, or one
+            v = v.reshape(n, rows) * b2 + o2.square().mean(dim=2) * (1.0 - b2)  # v ← β₂·v + (1-β₂)·mean_cols(O²)
+            normed.append((o2 / (v.sqrt() + eps).unsqueeze(2)).reshape(o.shape))  # Ô = O / (√v + ε), per row
+            new_nu.append(v.reshape(o.shape[: 1 + k]))
+        out = []
+        for x, norm, g, full in zip(normed, lay.leaf_norms(grads, normed), gs, shapes):
+            scale = 0.2 * math.sqrt(full[0] * math.prod(full[1:])) / (norm + eps)  # RMS 0.2, as AdamW's
+            out.append((x * scale).to(g.dtype))
         mu_tree = lp.store_moments(mu, state.mu, lp.moment_keys(state.count, rounding, state.mu))
         nu_tree = pytree.tree_unflatten(new_nu, pytree.tree_structure(state.nu))
         return pytree.tree_unflatten(out, spec), ScaleByNorMuonState(state.count + 1, mu_tree, nu_tree)
@@ -168,8 +186,7 @@ def normuon(
       eps: ε of the per-row normalization (1e-10, the authors' code).
 
     Warning:
-        Leaves with fewer than 2 dims raise: use `normuon_adamw`. Under FSDP2 the step
-        runs on the whole DTensor leaves, not owner-computes (see `scale_by_normuon`).
+        Leaves with fewer than 2 dims raise: use `normuon_adamw`.
 
     Example:
         >>> import torch, purestep.core as ps

@@ -26,6 +26,7 @@ def test_sharded_update_on_two_fsdp2_ranks_equals_one_process():
     assert done == [
         ["adamw+clip+skip", "compile=False"], ["adamw+clip+skip", "compile=True"],
         ["muon_adamw", "compile=False"], ["muon_adamw", "compile=True"],
+        ["normuon_adamw", "compile=False"], ["normuon_adamw", "compile=True"],
         ["lamb", "compile=False"], ["adaptive_clip", "compile=False"], ["cautious_adamw", "compile=False"],
         ["per-leaf-DTensor", "compile=False"],
     ], out.stdout

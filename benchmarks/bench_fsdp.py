@@ -16,6 +16,9 @@ per block then the root; dim 128 gives 5.2M params, dim 384 42.7M. Parts:
 - `muon`: `ps.muon_adamw(ns_dtype=float32)` on FSDP2 (owner-computes) vs the same update on
   the whole model in one process (rank 0 alone, the other rank idle: one thread each) vs
   `torch.optim.Muon` on the DTensor matrices + `AdamW(fused=True)` for the rest.
+- `normuon`: `ps.normuon_adamw(ns_dtype=float32)` on FSDP2, owner-computes (compiled and
+  eager), against the per-leaf DTensor path (`flat=False`, what NorMuon ran before its
+  per-row state was laid out over shards) and the same update in one process.
 - `collectives`: collectives per step of each purestep step, counted with the profiler,
   at two model sizes (24 and 6 blocks) to show it does not grow with the tensor count.
 - `trainer`: the Trainer end to end (forward, backward, step) under FSDP2 vs a plain FSDP2
@@ -71,12 +74,12 @@ def recipe(clip_and_skip: bool = True) -> ps.Transform:
     return ps.apply_if_finite(opt) if clip_and_skip else opt
 
 
-def purestep_step(dim: int, transform: ps.Transform, compile: bool, n_layers: int = 24):
+def purestep_step(dim: int, transform: ps.Transform, compile: bool, n_layers: int = 24, flat: bool = True):
     model = build(dim, n_layers)
     params = dict(model.named_parameters())
     grads = grads_of(model)
     state = transform.init(params)
-    update = ps.make_update(transform, compile=compile, donate=True)
+    update = ps.make_update(transform, compile=compile, donate=True, flat=flat)
     return (lambda: update(params, grads, state)), update
 
 
@@ -223,6 +226,50 @@ def part_muon(dim: int, args) -> list[str]:
     ]
 
 
+def part_normuon(dim: int, args) -> list[str]:
+    """NorMuon on FSDP2: owner-computes (compiled and eager) against the per-leaf DTensor
+    path it took before its per-row state was laid out over shards (every matrix's
+    Newton-Schulz on whole DTensors, `flat=False`), and the whole model in one process."""
+    rank = dist.get_rank()
+    transform = ps.normuon_adamw(lr=0.02, adamw_lr=3e-4, ns_dtype=torch.float32)
+    compiled, update = purestep_step(dim, transform, True)
+    eager, _ = purestep_step(dim, transform, False)
+    per_leaf, fallback = purestep_step(dim, transform, False, flat=False)
+    medians = [interleaved({"compiled": compiled, "eager": eager, "per-leaf": per_leaf}, args.steps) for _ in range(args.reps)]
+    whole_ms: list[float] = []
+    if rank == 0:
+        plain = build(dim, sharded=False)
+        params = dict(plain.named_parameters())
+        grads = grads_of(plain)
+        state = transform.init(params)
+        one = ps.make_update(transform, compile=True, donate=True)
+        for _ in range(3):
+            one(params, grads, state)
+        for _ in range(args.reps):
+            ts = []
+            for _ in range(args.steps):
+                t = time.perf_counter()
+                one(params, grads, state)
+                ts.append(time.perf_counter() - t)
+            whole_ms.append(statistics.median(ts) * 1e3)
+    dist.barrier()
+    if rank != 0:
+        return []
+    one_ms = statistics.median(whole_ms)
+    row = lambda k: (statistics.median(m[k] for m in medians) * 1e3, min(m[k] for m in medians) * 1e3,  # noqa: E731
+                     max(m[k] for m in medians) * 1e3)
+    lines = [f"### NorMuon (`normuon_adamw(ns_dtype=float32)`), {sum(p.numel() for p in plain.parameters()) / 1e6:.1f}M params", "",
+             "| contender | median ms (spread) | / one process |", "|---|---|---|"]
+    for key, what in (("compiled", "purestep on FSDP2, 2 ranks, owner-computes, compiled"),
+                      ("eager", "purestep on FSDP2, 2 ranks, owner-computes, eager"),
+                      ("per-leaf", "purestep on FSDP2, 2 ranks, per-leaf DTensor (`flat=False`: the path before)")):
+        med, lo, hi = row(key)
+        lines.append(f"| {what} | {med:.1f} ({lo:.1f}-{hi:.1f}) | {med / one_ms:.2f} |")
+    lines += [f"| purestep, the whole model in one process (1 thread) | {one_ms:.1f} ({min(whole_ms):.1f}-{max(whole_ms):.1f}) | 1.00 |",
+              "", f"Paths: {update.explain()}; {fallback.explain()}.", ""]
+    return lines
+
+
 def part_collectives(args) -> list[str]:
     rows = []
     for n_layers in (24, 6):
@@ -310,8 +357,8 @@ def part_trainer(dim: int, args) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", choices=sorted(SIZES), default="5M")
-    ap.add_argument("--parts", nargs="+", default=["step", "muon", "collectives", "trainer"],
-                    choices=["step", "muon", "collectives", "trainer"])
+    ap.add_argument("--parts", nargs="+", default=["step", "muon", "normuon", "collectives", "trainer"],
+                    choices=["step", "muon", "normuon", "collectives", "trainer"])
     ap.add_argument("--steps", type=int, default=20, help="interleaved steps per repeat (median)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="trainer part: compile the model (both loops) and the update")
@@ -324,6 +371,7 @@ def main() -> None:
     lines: list[str] = []
     for part in args.parts:
         lines += {"step": lambda: part_step(dim, args), "muon": lambda: part_muon(dim, args),
+                  "normuon": lambda: part_normuon(dim, args),
                   "collectives": lambda: part_collectives(args), "trainer": lambda: part_trainer(dim, args)}[part]()
     if dist.get_rank() == 0:
         head = [

@@ -84,10 +84,11 @@ def main() -> None:
         + table(["step", "ms", "x adamw"], rows)
         + "\n\nThe floor of a step between refreshes is AdamW's elementwise work plus the rotations' matmuls (4 "
         "d×d×d products per matrix, and two Gram matrices); a refresh adds a QR and a matmul per factor, once every "
-        "precondition_frequency steps (10 by default). Eagerly SOAP's step pays on top of that floor the dispatch "
-        "of its two torch.conds per leaf (each a traced graph with guards) and the fresh copies a cond's outputs "
-        "must be (moments, factors and bases: no output may alias an input); compiled, those copies and the "
-        "dispatch are fused or gone.\n"
+        "precondition_frequency steps (10 by default). Eagerly on the CPU SOAP's two branches per leaf are "
+        "plain Python branches on the step count (a torch.cond elsewhere, where reading the count would wait "
+        "for the device); the step pays on top of the floor the fresh copies a cond's outputs must be "
+        "(moments, factors and bases: no output may alias an input), kept so both forms run the same code; "
+        "compiled, those copies are fused or gone.\n"
     )
     print(body)
     if a.out:

@@ -4,7 +4,8 @@ The update rule is written once, on `soap` below; `scale_by_soap` is the block. 
 eigenbasis is set up at the first update (eigh) and refreshed every
 `precondition_frequency` updates by one power-iteration step and a QR; between refreshes
 a step costs Adam plus the rotations into and out of the basis. Both branches are
-`torch.cond`s on the step count: compiled, neither waits on the host.
+`torch.cond`s on the step count: compiled, neither waits on the host (eagerly on the
+CPU, where reading the count costs nothing, they are plain branches).
 """
 
 from __future__ import annotations
@@ -88,9 +89,15 @@ def _spread(present: Any, have: list[bool]) -> list:
 
 
 def _cond(pred: Tensor, true_fn: Any, false_fn: Any, operands: tuple) -> Any:
-    """`torch.cond`; eagerly it traces its branches for each leaf's shapes as they are (static:
-    leaves of many shapes must not turn them symbolic)."""
+    """`torch.cond`, for compiled code and devices where reading `pred` would wait for the
+    device. Eagerly with `pred` on the CPU, a plain branch: reading it costs nothing there,
+    and an eager cond traces its branches through dynamo for every leaf and step (ms each).
+    Eagerly elsewhere it traces them for each leaf's shapes as they are (static: leaves of
+    many shapes must not turn them symbolic)."""
     if not torch.compiler.is_compiling():
+        plain = pred.device.type == "cpu" and torch._C._functorch.peek_interpreter_stack() is None
+        if plain:
+            return true_fn(*operands) if bool(pred) else false_fn(*operands)
         for x in operands:
             torch._dynamo.mark_static(x)
     return torch.cond(pred, true_fn, false_fn, operands)

@@ -223,6 +223,9 @@ class Optimizer(torch.optim.Optimizer):
             compile = False
         if fused and compile is None:
             compile = True  # purestep's fused step: one compiled kernel over flat buffers
+        mirror = L.mirrors().get(transform) if callable(transform) and not isinstance(transform, ps.Transform) else None
+        if mirror is not None and "lr" not in hyperparams:  # `Optimizer(params, ps.adamw)` as `AdamW(params)`
+            hyperparams = {**hyperparams, "lr": inspect.signature(mirror.cls).parameters["lr"].default}
         flags = {"foreach": foreach, "fused": fused, "capturable": capturable, "differentiable": differentiable}
         self._init_args = (transform, compile, {**hyperparams, **{k: v for k, v in flags.items() if v}})
         self.transform = transform

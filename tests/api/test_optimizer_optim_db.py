@@ -161,3 +161,58 @@ def test_adapter_matches_torch_on_its_test_configurations(name, kwargs):
 @pytest.mark.parametrize("name, kwargs", _compiled_cases())
 def test_compiled_adapter_matches_torch_on_its_test_configurations(name, kwargs):
     _run(name, kwargs, compile=True)
+
+
+_ERRORS = r'''
+import re, warnings, torch
+from torch.testing._internal.common_optimizers import optim_db, OptimizerErrorEnum
+import purestep.core as ps
+from purestep.api import Optimizer
+FACTORIES = {"SGD": ps.sgd, "Adam": ps.adam, "AdamW": ps.adamw}
+for info in optim_db:
+    name = info.optim_cls.__name__
+    if name not in FACTORIES:
+        continue
+    for ei in info.optim_error_inputs_func(device="cpu", dtype=torch.float32):
+        inp = ei.optimizer_error_input
+        if "foreach" in inp.desc:  # torch's foreach implementation's own limits
+            continue
+        got = "nothing"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                opt = Optimizer(inp.params, FACTORIES[name], **inp.kwargs)
+                if ei.error_on == OptimizerErrorEnum.STEP_ERROR:
+                    opt.step()
+            except Exception as e:
+                got = f"{type(e).__name__}: {e}"
+        got += "".join(f" | {w.category.__name__}: {w.message}" for w in caught)
+        ok = ei.error_type.__name__ in got and re.search(ei.error_regex, got) is not None
+        print("OK" if ok else "BAD", name, inp.desc, "| wanted", ei.error_type.__name__, ei.error_regex, "| got", got)
+'''
+
+
+def test_torchs_error_inputs_get_torchs_errors():
+    # optim_db's error inputs (bad lr, betas, weight_decay, momentum, tensor lr shapes, params
+    # that are not an iterable, duplicates, named and unnamed params mixed): the adapter
+    # raises (or warns) what torch's class does. Read in a subprocess, as tests/core's.
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _ERRORS], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [line for line in run.stdout.splitlines() if line.startswith(("OK", "BAD"))]
+    assert len(lines) >= 20, run.stdout[-3000:]
+    bad = [line for line in lines if line.startswith("BAD")]
+    assert not bad, "\n".join(bad)
+
+
+def test_a_mirrored_factory_without_lr_takes_torchs_default():
+    mine, theirs = _model(), _model()
+    opt = Optimizer(list(mine.values()), ps.adamw)
+    ref = torch.optim.AdamW(list(theirs.values()), foreach=False)
+    assert opt.param_groups[0]["lr"] == ref.param_groups[0]["lr"] == 1e-3
+    for k in range(3):
+        _step(opt, mine, k)
+        _step(ref, theirs, k)
+    _same(mine, theirs, "default lr", loose=False)

@@ -591,7 +591,8 @@ class Optimizer(torch.optim.Optimizer):
             super().__setstate__(saved)
             return
         transform, compile, hyperparams = saved["init"]
-        self.__init__(saved["groups"], transform, compile=compile, **hyperparams)  # type: ignore[misc]
+        # Optimizer's own __init__, not type(self)'s: a subclass may take other arguments.
+        Optimizer.__init__(self, saved["groups"], transform, compile=compile, **hyperparams)
         self.load_state_dict(saved["state_dict"])
 
 

@@ -223,11 +223,18 @@ def normuon_adamw(
     adamw_eps: float = 1e-10,
     adamw_weight_decay: ScalarOrSchedule = 0.01,
     labels: Any = muon_labels,
+    eps: float = 1e-10,
     emulate_bf16: bool | None = None,
+    mu_dtype: torch.dtype | None = None,
+    nu_dtype: torch.dtype | None = None,
+    rounding: str = "stochastic",
 ) -> Transform:
     """The hybrid of `muon_adamw` with NorMuon on the hidden matrices: `partition({"muon":
     normuon(...), "adamw": adamw(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay)},
     labels)`, routed by `muon_labels` (embeddings, output head, norms, biases → AdamW).
+
+    `eps` is NorMuon's; `mu_dtype` stores NorMuon's momentum and AdamW's m, `nu_dtype`
+    AdamW's v (NorMuon's per-row v stays float32), rounded as `rounding` says (see `adam`).
 
     Example:
         >>> import torch, purestep.core as ps
@@ -239,8 +246,9 @@ def normuon_adamw(
     return partition(
         {
             "muon": normuon(lr, momentum, beta2, nesterov, ns_steps, weight_decay, ns_dtype, ns_coefficients,
-                            emulate_bf16=emulate_bf16),
-            "adamw": adamw(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay),
+                            eps, emulate_bf16=emulate_bf16, mu_dtype=mu_dtype, rounding=rounding),
+            "adamw": adamw(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay,
+                           mu_dtype=mu_dtype, nu_dtype=nu_dtype, rounding=rounding),
         },
         labels,
     )

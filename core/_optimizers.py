@@ -377,6 +377,9 @@ def muon_adamw(
     adamw_weight_decay: ScalarOrSchedule = 0.01,
     labels: Any = muon_labels,
     emulate_bf16: bool | None = None,
+    mu_dtype: torch.dtype | None = None,
+    nu_dtype: torch.dtype | None = None,
+    rounding: str = "stochastic",
 ) -> Transform:
     """Keller Jordan's hybrid: `muon` for hidden matrices, `adamw` for everything else.
 
@@ -392,6 +395,8 @@ def muon_adamw(
       adamw_eps: 1e-10, the eps of KellerJordan/Muon's `adam_update`.
       labels: "muon"/"adamw" per leaf, a str pytree or `callable(params)`.
       emulate_bf16: Muon's bf16 emulation switch, see `muon`.
+      mu_dtype, nu_dtype, rounding: how the momenta are stored (see `adam`): `mu_dtype` for
+        Muon's momentum and AdamW's m, `nu_dtype` for AdamW's v.
 
     Example:
         >>> import torch, purestep.core as ps
@@ -409,9 +414,10 @@ def muon_adamw(
         {
             "muon": muon(
                 lr, momentum, nesterov, ns_steps, weight_decay, adjust_lr, ns_dtype, ns_coefficients,
-                emulate_bf16=emulate_bf16,
+                emulate_bf16=emulate_bf16, mu_dtype=mu_dtype, rounding=rounding,
             ),
-            "adamw": adamw(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay),
+            "adamw": adamw(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay,
+                           mu_dtype=mu_dtype, nu_dtype=nu_dtype, rounding=rounding),
         },
         labels,
     )

@@ -147,3 +147,36 @@ def test_bf16_momentum_is_the_float32_run_with_its_momentum_rounded_each_step():
     assert s_low[0].mu["a"].dtype == torch.bfloat16 and s_low[0].nu["a"].dtype == torch.float32
     for k in start:
         torch.testing.assert_close(p_low[k], p_ref[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("factory", [ps.normuon_adamw, ps.muon_adamw])
+def test_the_hybrids_store_both_sides_momenta_in_mu_dtype_and_adamws_v_in_nu_dtype(factory):
+    params = {"h.0.weight": torch.randn(6, 4), "h.0.bias": torch.zeros(6)}
+    opt = factory(ns_dtype=torch.float32, mu_dtype=torch.bfloat16, nu_dtype=torch.bfloat16, rounding="nearest")
+    state = opt.init(params)
+    muon_side, adamw_side = state.inner_states["muon"], state.inner_states["adamw"]
+    assert muon_side[0].mu["h.0.weight"].dtype == torch.bfloat16
+    assert adamw_side[0].mu["h.0.bias"].dtype == torch.bfloat16 and adamw_side[0].nu["h.0.bias"].dtype == torch.bfloat16
+    if factory is ps.normuon_adamw:
+        assert muon_side[0].nu["h.0.weight"].dtype == torch.float32  # NorMuon's per-row v stays float32
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    updates, state = opt.update(grads, state, params)
+    assert all(torch.isfinite(u).all() and u.dtype == torch.float32 for u in updates.values())
+
+
+def test_normuon_adamw_passes_its_eps_to_normuon():
+    # With a huge eps, Ô = O/(√v + ε) is O/ε, and the RMS scaling hides ε from the update:
+    # compare against normuon with the same eps on the matrix alone.
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(6, 4, generator=gen)
+    g = torch.randn(6, 4, generator=gen)
+    for eps in (1e-10, 10.0):
+        hybrid = ps.normuon_adamw(lr=0.05, ns_dtype=torch.float32, eps=eps, weight_decay=0.0)
+        alone = ps.normuon(0.05, ns_dtype=torch.float32, eps=eps)
+        u_h, _ = hybrid.update({"h.0.weight": g}, hybrid.init({"h.0.weight": w}), {"h.0.weight": w})
+        u_a, _ = alone.update({"h.0.weight": g}, alone.init({"h.0.weight": w}), {"h.0.weight": w})
+        torch.testing.assert_close(u_h["h.0.weight"], u_a["h.0.weight"])
+    assert not torch.allclose(
+        ps.normuon(0.05, ns_dtype=torch.float32, eps=10.0).update({"w": g}, ps.normuon(0.05).init({"w": w}), {"w": w})[0]["w"],
+        ps.normuon(0.05, ns_dtype=torch.float32).update({"w": g}, ps.normuon(0.05).init({"w": w}), {"w": w})[0]["w"],
+    )

@@ -74,13 +74,14 @@ def scale_by_normuon(
     ns_coefficients: Coefficients = NS5_COEFFICIENTS,
     ns_dtype: torch.dtype = torch.bfloat16,
     eps: float = 1e-10,
+    adjust_lr: str = "match_rms_adamw",
     emulate_bf16: bool | None = None,
     mu_dtype: torch.dtype | None = None,
     rounding: str = "stochastic",
 ) -> Transform:
-    """NorMuon's normalized, orthogonalized momentum; see `normuon` for the rule, `adam`
-    for `mu_dtype` and `rounding` (the momentum's storage; the per-row second moment is
-    small and stays float32).
+    """NorMuon's normalized, orthogonalized momentum; see `normuon` for the rule and
+    `adjust_lr`, `adam` for `mu_dtype` and `rounding` (the momentum's storage; the per-row
+    second moment is small and stays float32).
 
     Every leaf must have >= 2 dims; a leaf of shape (A, ...) is an A × prod(rest) matrix
     whose A rows are the neurons. The second moment is per row: on flat buffers it is
@@ -102,6 +103,11 @@ def scale_by_normuon(
         check_nonnegative(name, value)
     check_muon_args(ns_steps, ns_coefficients, ns_dtype, "original", _NS_EPS)
     check_positive("eps", eps)
+    if adjust_lr not in ("match_rms_adamw", "original"):
+        raise ValueError(
+            f"adjust_lr must be 'match_rms_adamw' (the paper's RMS 0.2) or 'original' (the authors' "
+            f"code: O's norm kept, then max(1, A/B)^0.5), got {adjust_lr!r}"
+        )
     lp.check_state_dtype("mu_dtype", mu_dtype)
     lp.check_rounding(rounding)
     coefficients, safety = _coefficient_schedule(ns_coefficients, ns_steps)
@@ -133,17 +139,22 @@ def scale_by_normuon(
         # Everything after the orthogonalization is per row, but the norm: on FSDP2 shards
         # each rank normalizes its rows and `leaf_norms` sums the squares across ranks.
         shapes = lay.global_shapes(grads)  # the whole matrix (a stack's member)
-        normed, new_nu = [], []
+        orth, normed, new_nu = [], [], []
         for o, v, k, full in zip(lay.map_matrices(grads, orthogonal, src), nu, stacked, shapes):
             n, rows, cols = (o.shape[0] if k else 1), o.shape[1 if k else 0], math.prod(o.shape[2 if k else 1 :])
             o2 = o.reshape(n, rows, cols).to(_wide(o.dtype))  # a stack's k matrices, or one
             v = v.reshape(n, rows) * b2 + o2.square().mean(dim=2) * (1.0 - b2)  # v ← β₂·v + (1-β₂)·mean_cols(O²)
             normed.append((o2 / (v.sqrt() + eps).unsqueeze(2)).reshape(o.shape))  # Ô = O / (√v + ε), per row
+            orth.append(o2.reshape(o.shape))
             new_nu.append(v.reshape(o.shape[: 1 + k]))
-        out = []
-        for x, norm, g, full in zip(normed, lay.leaf_norms(grads, normed), gs, shapes):
-            scale = 0.2 * math.sqrt(full[0] * math.prod(full[1:])) / (norm + eps)  # RMS 0.2, as AdamW's
-            out.append((x * scale).to(g.dtype))
+        if adjust_lr == "match_rms_adamw":  # η̂ = 0.2·√(AB)/‖Ô‖: RMS 0.2, as AdamW's
+            scales = [0.2 * math.sqrt(full[0] * math.prod(full[1:])) / (norm + eps)
+                      for norm, full in zip(lay.leaf_norms(grads, normed), shapes)]
+        else:  # the authors' code: ‖O‖/‖Ô‖ keeps O's norm, then Muon's max(1, A/B)^0.5
+            o_norms, normed_norms = lay.leaf_norms(grads, orth, normed)
+            scales = [o_norm / (norm + eps) * max(1.0, full[0] / math.prod(full[1:])) ** 0.5
+                      for o_norm, norm, full in zip(o_norms, normed_norms, shapes)]
+        out = [(x * scale).to(g.dtype) for x, scale, g in zip(normed, scales, gs)]
         mu_tree = lp.store_moments(mu, state.mu, lp.moment_keys(state.count, rounding, state.mu))
         nu_tree = pytree.tree_unflatten(new_nu, pytree.tree_structure(state.nu))
         return pytree.tree_unflatten(out, spec), ScaleByNorMuonState(state.count + 1, mu_tree, nu_tree)
@@ -162,6 +173,7 @@ def normuon(
     ns_coefficients: Coefficients = NS5_COEFFICIENTS,
     eps: float = 1e-10,
     *,
+    adjust_lr: str = "match_rms_adamw",
     emulate_bf16: bool | None = None,
     mu_dtype: torch.dtype | None = None,
     rounding: str = "stochastic",
@@ -184,6 +196,10 @@ def normuon(
         emulate_bf16: as `muon`. weight_decay: λ, decoupled. mu_dtype, rounding: the
         momentum's storage, as `adam`'s (v, one value per row, stays float32).
       eps: ε of the per-row normalization (1e-10, the authors' code).
+      adjust_lr: "match_rms_adamw" (default), the paper's η̂ above. "original" is the
+        authors' released code (github.com/zichongli5/NorMuon), which differs from the paper
+        here: η̂ = η·‖O‖_F/‖Ô‖_F · max(1, m/n)^0.5 (O's norm kept, then `muon`'s "original"
+        scaling), so Muon's lr (0.02) carries over where the default expects AdamW-sized lrs.
 
     Warning:
         Leaves with fewer than 2 dims raise: use `normuon_adamw`.
@@ -203,7 +219,7 @@ def normuon(
     check_nonnegative("lr", lr)
     block = scale_by_normuon(
         momentum, beta2, nesterov, ns_steps, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, eps=eps,
-        emulate_bf16=emulate_bf16, mu_dtype=mu_dtype, rounding=rounding,
+        adjust_lr=adjust_lr, emulate_bf16=emulate_bf16, mu_dtype=mu_dtype, rounding=rounding,
     )
     return chain(block, add_decayed_weights(weight_decay), scale_by_lr(lr))
 
@@ -224,6 +240,7 @@ def normuon_adamw(
     adamw_weight_decay: ScalarOrSchedule = 0.01,
     labels: Any = muon_labels,
     eps: float = 1e-10,
+    adjust_lr: str = "match_rms_adamw",
     emulate_bf16: bool | None = None,
     mu_dtype: torch.dtype | None = None,
     nu_dtype: torch.dtype | None = None,
@@ -233,7 +250,7 @@ def normuon_adamw(
     normuon(...), "adamw": adamw(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay)},
     labels)`, routed by `muon_labels` (embeddings, output head, norms, biases → AdamW).
 
-    `eps` is NorMuon's; `mu_dtype` stores NorMuon's momentum and AdamW's m, `nu_dtype`
+    `eps` and `adjust_lr` are NorMuon's; `mu_dtype` stores NorMuon's momentum and AdamW's m, `nu_dtype`
     AdamW's v (NorMuon's per-row v stays float32), rounded as `rounding` says (see `adam`).
 
     Example:
@@ -246,7 +263,7 @@ def normuon_adamw(
     return partition(
         {
             "muon": normuon(lr, momentum, beta2, nesterov, ns_steps, weight_decay, ns_dtype, ns_coefficients,
-                            eps, emulate_bf16=emulate_bf16, mu_dtype=mu_dtype, rounding=rounding),
+                            eps, adjust_lr=adjust_lr, emulate_bf16=emulate_bf16, mu_dtype=mu_dtype, rounding=rounding),
             "adamw": adamw(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay,
                            mu_dtype=mu_dtype, nu_dtype=nu_dtype, rounding=rounding),
         },

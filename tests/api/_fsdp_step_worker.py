@@ -21,6 +21,8 @@ CASES = {
     "adamw+clip+skip": lambda: ps.apply_if_finite(ps.chain(ps.clip_by_global_norm(0.05), ps.adamw(0.02, weight_decay=0.1))),
     "muon_adamw": lambda: ps.apply_if_finite(ps.muon_adamw(lr=0.02, adamw_lr=0.01, ns_dtype=torch.float32)),
     "normuon_adamw": lambda: ps.apply_if_finite(ps.normuon_adamw(lr=0.02, adamw_lr=0.01, ns_dtype=torch.float32)),
+    "normuon_original": lambda: ps.apply_if_finite(
+        ps.normuon_adamw(lr=0.02, adamw_lr=0.01, ns_dtype=torch.float32, adjust_lr="original")),
     "lamb": lambda: ps.apply_if_finite(ps.lamb(0.02, weight_decay=0.1)),
     "adaptive_clip": lambda: ps.apply_if_finite(ps.chain(ps.adaptive_clip(0.05), ps.sgd(0.1, momentum=0.9))),
     "cautious_adamw": lambda: ps.apply_if_finite(ps.cautious_adamw(0.02, weight_decay=0.1)),  # per-leaf counts

@@ -1,6 +1,7 @@
 """The sharded update on FSDP2 (2 CPU ranks, gloo) equals one process: one torchrun run.
 
-Covers AdamW + global-norm clip, Muon (owner-computes) with AdamW, LAMB (trust-ratio
+Covers AdamW + global-norm clip, Muon and NorMuon (owner-computes; NorMuon with both step
+sizes) with AdamW, LAMB (trust-ratio
 norms), AGC, cautious AdamW (per-leaf counts), `apply_if_finite` skipping on every rank when one rank's grad block holds a
 NaN, uneven blocks and a rank holding an empty one, compiled and eager, and a forward after
 the update (FSDP2 all-gathers the updated params). Resumes across world sizes run through the
@@ -27,6 +28,6 @@ def test_sharded_update_on_two_fsdp2_ranks_equals_one_process():
         ["adamw+clip+skip", "compile=False"], ["adamw+clip+skip", "compile=True"],
         ["muon_adamw", "compile=False"], ["muon_adamw", "compile=True"],
         ["normuon_adamw", "compile=False"], ["normuon_adamw", "compile=True"],
-        ["lamb", "compile=False"], ["adaptive_clip", "compile=False"], ["cautious_adamw", "compile=False"],
+        ["normuon_original", "compile=False"], ["lamb", "compile=False"], ["adaptive_clip", "compile=False"], ["cautious_adamw", "compile=False"],
         ["per-leaf-DTensor", "compile=False"],
     ], out.stdout

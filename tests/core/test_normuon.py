@@ -23,8 +23,11 @@ def _ns5(x: torch.Tensor, steps: int = 5) -> torch.Tensor:
     return x.T if flip else x
 
 
-def reference(params, grads_per_step, lr, momentum=0.95, beta2=0.95, wd=0.0, eps=1e-10, nesterov=True):
-    """The rule of Li et al. 2025 (arXiv 2510.05491, Algorithm 1) written out per matrix."""
+def reference(params, grads_per_step, lr, momentum=0.95, beta2=0.95, wd=0.0, eps=1e-10, nesterov=True,
+              adjust_lr="match_rms_adamw"):
+    """The rule of Li et al. 2025 (arXiv 2510.05491, Algorithm 1) written out per matrix;
+    `adjust_lr="original"`: the step size of the authors' released code instead (the update
+    keeps O's Frobenius norm, then Muon's max(1, rows/cols)^0.5)."""
     params = {k: v.clone() for k, v in params.items()}
     m = {k: torch.zeros_like(v) for k, v in params.items()}
     v = {k: torch.zeros(p.shape[0], dtype=p.dtype) for k, p in params.items()}
@@ -37,24 +40,27 @@ def reference(params, grads_per_step, lr, momentum=0.95, beta2=0.95, wd=0.0, eps
             o = _ns5(src.reshape(rows, cols))
             v[k] = beta2 * v[k] + (1 - beta2) * (o * o).mean(dim=1)
             o_hat = o / (v[k].sqrt() + eps)[:, None]
-            step = 0.2 * math.sqrt(rows * cols) / (o_hat.norm() + eps) * o_hat
+            if adjust_lr == "original":
+                step = o.norm() / (o_hat.norm() + eps) * max(1.0, rows / cols) ** 0.5 * o_hat
+            else:
+                step = 0.2 * math.sqrt(rows * cols) / (o_hat.norm() + eps) * o_hat
             params[k] = p - lr * wd * p - lr * step.reshape(p.shape)
     return params
 
 
-@pytest.mark.parametrize("nesterov", [True, False])
-def test_normuon_follows_the_papers_rule_over_many_steps(nesterov):
+@pytest.mark.parametrize("nesterov, adjust_lr", [(True, "match_rms_adamw"), (False, "match_rms_adamw"), (True, "original")])
+def test_normuon_follows_the_papers_rule_over_many_steps(nesterov, adjust_lr):
     gen = torch.Generator().manual_seed(0)
     params = {"a": torch.randn(6, 4, generator=gen, dtype=torch.float64),
               "b": torch.randn(3, 7, generator=gen, dtype=torch.float64),
               "conv": torch.randn(4, 2, 3, generator=gen, dtype=torch.float64)}
     grads = [{k: torch.randn(v.shape, generator=gen, dtype=torch.float64) for k, v in params.items()} for _ in range(30)]
-    opt = ps.normuon(0.05, weight_decay=0.1, ns_dtype=torch.float64, nesterov=nesterov)
+    opt = ps.normuon(0.05, weight_decay=0.1, ns_dtype=torch.float64, nesterov=nesterov, adjust_lr=adjust_lr)
     state, ours = opt.init(params), dict(params)
     for g in grads:
         u, state = opt.update(g, state, ours)
         ours = ps.apply_updates(ours, u)
-    want = reference(params, grads, 0.05, wd=0.1, nesterov=nesterov)
+    want = reference(params, grads, 0.05, wd=0.1, nesterov=nesterov, adjust_lr=adjust_lr)
     for k in params:
         torch.testing.assert_close(ours[k], want[k], rtol=1e-9, atol=1e-10)
         assert (ours[k] - params[k]).abs().max() > 0.1  # it moved: the comparison can fail
@@ -105,14 +111,15 @@ def test_the_config_names_normuon_adamw():
     assert float(ps.get_hyperparams(state)["beta2"]) == 0.9 and "h.0.weight" in str(state)
 
 
-def test_flat_compiled_normuon_runs_batched_over_same_shape_stacks():
+@pytest.mark.parametrize("adjust_lr", ["match_rms_adamw", "original"])
+def test_flat_compiled_normuon_runs_batched_over_same_shape_stacks(adjust_lr):
     # Two 6x4 matrices form one (2, 6, 4) stack with a (2, 6) second moment; the 3x7 and the
     # conv filter are groups alone. The compiled flat step follows the per-matrix rule.
     gen = torch.Generator().manual_seed(1)
     shapes = {"a": (6, 4), "b": (3, 7), "a2": (6, 4), "conv": (4, 2, 3)}
     params = {k: torch.randn(s, generator=gen, dtype=torch.float64) for k, s in shapes.items()}
     grads = [{k: torch.randn(v.shape, generator=gen, dtype=torch.float64) for k, v in params.items()} for _ in range(6)]
-    opt = ps.inject_hyperparams(ps.normuon)(lr=0.05, weight_decay=0.1, ns_dtype=torch.float64)
+    opt = ps.inject_hyperparams(ps.normuon)(lr=0.05, weight_decay=0.1, ns_dtype=torch.float64, adjust_lr=adjust_lr)
     ours, state = {k: v.clone() for k, v in params.items()}, opt.init(params)
     nu = state.inner_state[0].nu
     step = ps.make_update(opt, compile=True, donate=True)
@@ -123,7 +130,7 @@ def test_flat_compiled_normuon_runs_batched_over_same_shape_stacks():
     torch.compiler.set_stance("default")
     assert step.explain().startswith("flat"), step.explain()
     assert sorted(map(sorted, step.layout().values())) == [["a", "a2"], ["b"], ["conv"]]
-    want = reference(params, grads, 0.05, wd=0.1)
+    want = reference(params, grads, 0.05, wd=0.1, adjust_lr=adjust_lr)
     for k in params:
         torch.testing.assert_close(ours[k], want[k], rtol=1e-8, atol=1e-10)
     assert nu["a"].shape == (6,) and nu["a"].data_ptr() != nu["a2"].data_ptr()  # the user's rows, viewed per matrix
@@ -180,3 +187,18 @@ def test_normuon_adamw_passes_its_eps_to_normuon():
         ps.normuon(0.05, ns_dtype=torch.float32, eps=10.0).update({"w": g}, ps.normuon(0.05).init({"w": w}), {"w": w})[0]["w"],
         ps.normuon(0.05, ns_dtype=torch.float32).update({"w": g}, ps.normuon(0.05).init({"w": w}), {"w": w})[0]["w"],
     )
+
+
+def test_adjust_lr_is_checked_and_the_two_scalings_differ():
+    with pytest.raises(ValueError, match="adjust_lr must be"):
+        ps.normuon(adjust_lr="rms")
+    w = {"w": torch.randn(6, 4, dtype=torch.float64)}
+    g = {"w": torch.randn(6, 4, dtype=torch.float64)}
+    paper = ps.scale_by_normuon(ns_dtype=torch.float64)
+    code = ps.scale_by_normuon(ns_dtype=torch.float64, adjust_lr="original")
+    u_paper, _ = paper.update(g, paper.init(w))
+    u_code, _ = code.update(g, code.init(w))
+    # The code keeps O's norm (about √min(m, n) for an orthogonalized O); the paper sets RMS 0.2.
+    torch.testing.assert_close(u_paper["w"].square().mean().sqrt(), torch.tensor(0.2, dtype=torch.float64))
+    assert 1.5 < float(u_code["w"].norm()) < 2.5  # √4 = 2, NS5's singular values are ~0.7-1.2
+    torch.testing.assert_close(u_code["w"] / u_code["w"].norm(), u_paper["w"] / u_paper["w"].norm())

@@ -239,3 +239,26 @@ def test_complex_params_step_as_torch_steps_their_real_views(amsgrad):
     twin.load_state_dict(opt.state_dict())  # torch takes ours
     opt.load_state_dict(ref.state_dict())  # and we take torch's
     torch.testing.assert_close(opt.state[ours]["exp_avg"], ref.state[theirs]["exp_avg"])
+
+
+@pytest.mark.parametrize("form", ["factory", "built", "sgd-momentum"])
+def test_get_and_set_state_dict_on_a_fresh_optimizer_change_no_training(form):
+    # torch's get_state_dict steps an optimizer whose state looks empty (_init_optim_state);
+    # a fresh adapter must come out of three calls and a set_state_dict as it went in.
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def run(checkpoint: bool) -> list[torch.Tensor]:
+        model = make_model()
+        opt = {
+            "factory": lambda: Optimizer(model.parameters(), ps.adamw, lr=1e-2, weight_decay=0.1),
+            "built": lambda: Optimizer(model.parameters(), ps.adamw(1e-2, weight_decay=0.1)),
+            "sgd-momentum": lambda: Optimizer(model.parameters(), ps.sgd, lr=1e-2, momentum=0.9, weight_decay=0.1),
+        }[form]()
+        if checkpoint:
+            for _ in range(3):
+                model_sd, optim_sd = get_state_dict(model, opt)
+            set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        train(model, opt, batches(3))
+        return [p.detach().clone() for p in model.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(True), run(False)))

@@ -459,6 +459,9 @@ class Optimizer(torch.optim.Optimizer):
                 if extra:
                     state.setdefault(i, {}).update(extra)
             groups.append(packed)
+        for key, value in self.state.items():  # what code keyed by anything but a param (torch keeps it as is)
+            if not isinstance(key, Tensor):
+                state[key] = value
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
@@ -488,7 +491,8 @@ class Optimizer(torch.optim.Optimizer):
                 f"state_dict has {len(saved_groups)} param groups, this optimizer has {len(self.param_groups)}"
             )
         torch_layout = self.torch_class is not None
-        saved_state, extras = _split_extras(state_dict["state"], self._groups, saved_groups, torch_layout)
+        state_dict_entries = state_dict["state"]
+        saved_state, extras = _split_extras(state_dict_entries, self._groups, saved_groups, torch_layout)
         complex_ids = {i for sg, group in zip(saved_groups, self.param_groups)
                        for i, p in zip(sg["params"], group["params"]) if p.is_complex()}
         saved_state = {i: {k: torch.view_as_real(v) if i in complex_ids and torch.is_tensor(v) and v.is_complex() else v
@@ -531,6 +535,13 @@ class Optimizer(torch.optim.Optimizer):
         for p, extra in zip((p for group in self.param_groups for p in group["params"]), extras):
             if extra:
                 self.state[p].update(extra)
+        # Entries keyed by anything but a param are replaced by the saved ones, as torch does.
+        ids = {i for saved in saved_groups for i in saved["params"]}
+        for key in [k for k in dict.keys(self.state) if not isinstance(k, Tensor)]:
+            dict.pop(self.state, key)
+        for key, value in state_dict_entries.items():
+            if key not in ids:
+                self.state[key] = value
 
     def _expose_all(self) -> None:
         for group, g in zip(self.param_groups, self._groups):

@@ -124,7 +124,7 @@ def _lightning_train(make_opt, *, epochs: int, ckpt_in=None, ckpt_out=None) -> t
     module = Module()
     trainer = pl.Trainer(
         max_epochs=epochs, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, deterministic=True,
+        enable_progress_bar=False, enable_model_summary=False,
     )
     # One epoch is HALF steps, and runs stop at an epoch's end: Lightning resumes a run that
     # stopped mid-epoch (max_steps) from a non-stateful loader with its first batch twice.

@@ -283,3 +283,45 @@ def test_a_subclass_taking_other_arguments_deepcopies_and_pickles():
         _quadratic(params[0], params[1], x).backward()
         copied.step()  # a working copy
         assert copied.state_dict()["state"][0]["step"] == 2
+
+
+@pytest.mark.parametrize("name", list(FACTORIES))
+def test_state_dict_hooks_see_and_keep_entries_keyed_by_other_than_a_param(name):
+    # torch's state-dict hook tests: a pre hook writes `state["test"]`, which state_dict()
+    # carries under its own key for the post hook; load pre hooks edit or replace the dict;
+    # a load post hook writes flags into `state`, kept by the next state_dict() and by a load.
+    def scenario(build):
+        params = [Parameter(torch.randn(2, 3, generator=torch.Generator().manual_seed(i))) for i in range(2)]
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt = build(params, lr=1e-2, **({"momentum": 0.9} if name == "SGD" else {}))
+        opt.step()
+        opt.register_state_dict_pre_hook(lambda o: o.state.__setitem__("test", 1))
+
+        def post(o, sd):
+            sd["ran_pre_hook"] = sd["state"].pop("test", None) == 1
+            return sd
+
+        opt.register_state_dict_post_hook(post)
+        saved = opt.state_dict()
+        twin = build(params, lr=1e-2, **({"momentum": 0.9} if name == "SGD" else {}))
+        twin.state["left_over"] = 0  # replaced by the load, as torch's state is
+        twin.register_load_state_dict_pre_hook(lambda o, sd: sd["param_groups"][0].__setitem__("lr", 0.002))
+
+        def replace(o, sd):
+            new = copy.deepcopy(sd)
+            new["param_groups"][0]["lr"] = 0.003
+            new["state"]["saved_flag"] = True
+            return new
+
+        twin.register_load_state_dict_pre_hook(replace)
+        twin.register_load_state_dict_post_hook(lambda o: o.state.__setitem__("ran_post", o.param_groups[0]["lr"]))
+        twin.load_state_dict({k: v for k, v in saved.items() if k != "ran_pre_hook"})
+        twin.step()
+        again = twin.state_dict()
+        flags = {k: v for k, v in again["state"].items() if isinstance(k, str)}
+        return saved["ran_pre_hook"], twin.param_groups[0]["lr"], flags
+
+    ours = scenario(_make(name))
+    theirs = scenario(INFOS[name].optim_cls)
+    assert ours == theirs == (True, 0.003, {"saved_flag": True, "ran_post": 0.003}), (ours, theirs)

@@ -30,17 +30,42 @@ class _ParamGroup(dict):
 
 class _State(collections.defaultdict):
     """torch.optim's `state` (param -> dict): the params' purestep buffers are filled in when
-    it is read, so a step only marks it stale and costs nothing here."""
+    it is read, so a step only marks it stale and costs nothing here. A read or a write marks
+    it `edited` (what a read returns may be written to), and the next step takes in what
+    code changed (`Optimizer._take_edits`)."""
 
     def __init__(self, refresh: Callable[[], None]) -> None:
         super().__init__(dict)
-        self._refresh, self.stale = refresh, True
+        self._refresh, self.stale, self.edited = refresh, True, False
 
     def fresh(self) -> "_State":
+        self.edited = True
         if self.stale:
             self.stale = False
             self._refresh()
         return self
+
+    # Writes show the buffers first, so that the next step sees what was there before them.
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super(_State, self.fresh()).__setitem__(key, value)
+
+    def __delitem__(self, key: Any) -> None:
+        super(_State, self.fresh()).__delitem__(key)
+
+    def pop(self, *args: Any) -> Any:
+        return super(_State, self.fresh()).pop(*args)
+
+    def popitem(self) -> Any:
+        return super(_State, self.fresh()).popitem()
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        return super(_State, self.fresh()).setdefault(key, default)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        super(_State, self.fresh()).update(*args, **kwargs)
+
+    def clear(self) -> None:
+        super(_State, self.fresh()).clear()
 
     def __getitem__(self, key: Any) -> Any:
         return super(_State, self.fresh()).__getitem__(key)
@@ -94,10 +119,12 @@ class _Group:
             self.state = transform.init(stand_ins if self.lazy else self.tree)
         self.mirror: L.Mirror | None = None
         self.static: dict[str, Any] = {}  # group key -> the value the transform was built with
+        self.shown: dict[tuple[int, str], Any] = {}  # (param index, key) -> the object `state` shows
         self.refresh()
 
     def refresh(self) -> None:
         """Re-read the injected hyperparameters after the state was replaced."""
+        self.shown = {}
         self.hyper = ps.get_hyperparams(self.state)  # key -> the live 0-d tensor(s)
         self.pushed = {k: _plain(v) for k, v in self.hyper.items()}  # key -> value in the state
         self.index_buffers()
@@ -106,7 +133,8 @@ class _Group:
         """Where each param's own buffers sit among the state's leaves: (leaf, param, name)."""
         roles = [] if self.lazy else L.classify(self.state, self.names)
         self.buffers = [(i, self.names.index(r.param), r.key) for i, r in enumerate(roles) if r.kind == "buffer"]
-        self.count = next((i for i, r in enumerate(roles) if r.kind == "count"), None)  # the step count's leaf
+        self.counts = [i for i, r in enumerate(roles) if r.kind == "count"]  # every step count's leaf
+        self.count = self.counts[0] if self.counts else None  # the one shown as torch's `step`
 
     def materialize(self, params: list[Tensor], where: str) -> None:
         """The state of params built on the meta device, once they are real (`to_empty` and init)."""
@@ -120,7 +148,7 @@ class _Group:
             state = self.transform.init(self.tree)
         for new, old in zip(ps.tree_leaves(ps.get_hyperparams(state)), ps.tree_leaves(self.hyper)):
             new.copy_(old)  # the values the group set while the params were meta
-        self.state, self.lazy = state, False
+        self.state, self.lazy, self.shown = state, False, {}
         self.meta = [(p.shape, p.dtype, p.device) for p in params]
         self.addresses = [p.data_ptr() for p in params]
         self.hyper = ps.get_hyperparams(self.state)
@@ -184,7 +212,9 @@ class Optimizer(torch.optim.Optimizer):
         for all params of a group at once. A param whose grad is `None` while others of its
         group have one is skipped as torch skips it (its value and its own state buffers stay
         as they were), but state the group shares, such as the step count of bias
-        corrections, still advances. A param's shape, dtype and
+        corrections, still advances; likewise a param whose `state` entry is popped or
+        emptied starts over from the transform's `init` at the next step, but the group's
+        step count only does when every param of the group does. A param's shape, dtype and
         device must stay as they were at construction (build the optimizer after
         `model.to(...)`); its storage may change (`p.data = ...`) as in torch.optim, but in
         a compiled group that makes the next step re-bind the flat buffers and compile
@@ -265,6 +295,14 @@ class Optimizer(torch.optim.Optimizer):
         self.state = _State(self._expose_all)  # torch's state, the buffers filled in when read
         if self._factory is None:  # what schedulers read (OneCycleLR checks for "betas"/"momentum")
             self.defaults = {k: v for k, v in self.param_groups[0].items() if k not in L.STRUCTURE_KEYS}
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "state" and "state" in self.__dict__ and not isinstance(value, _State):
+            self.state.fresh()  # what it showed, to compare with at the next step
+            replaced = _State(self._expose_all)  # code replaced the state dict: taken in at the next step
+            dict.update(replaced, value)
+            replaced.edited, replaced.stale, value = True, False, replaced
+        super().__setattr__(name, value)
 
     @property
     def torch_class(self) -> type | None:
@@ -391,6 +429,8 @@ class Optimizer(torch.optim.Optimizer):
         return loss
 
     def _step(self) -> None:
+        if self.state.edited:
+            self._take_edits()
         for index, (group, g) in enumerate(zip(self.param_groups, self._groups)):
             params = _real(group["params"])
             grads = _real([p.grad for p in group["params"]])
@@ -531,6 +571,7 @@ class Optimizer(torch.optim.Optimizer):
             self._push(group, g, index)
             for p in group["params"]:  # what code put there before is replaced by what was saved
                 dict.pop(self.state, p, None)
+            g.shown = {}
             self.state.stale = True
         for p, extra in zip((p for group in self.param_groups for p in group["params"]), extras):
             if extra:
@@ -556,11 +597,79 @@ class Optimizer(torch.optim.Optimizer):
         leaves = ps.tree_leaves(g.state)
         for i, j, key in g.buffers:
             p = params[j]
-            self.state[p][key] = torch.view_as_complex(leaves[i]) if p.is_complex() else leaves[i]
+            self.state[p][key] = g.shown[j, key] = torch.view_as_complex(leaves[i]) if p.is_complex() else leaves[i]
         if _has_step(g):  # torch's per-param `step`: the group's count, as torch keeps it (a CPU float)
             step = L.torch_step(leaves[g.count])
-            for p in params:
-                self.state[p]["step"] = step.clone()
+            for j, p in enumerate(params):
+                self.state[p]["step"] = g.shown[j, "step"] = step.clone()
+
+    def _take_edits(self) -> None:
+        """What code changed in `state` since the last step, taken in as torch.optim would.
+
+        A buffer assigned a new tensor (`state[p]["exp_avg"] = t`) is copied into the
+        transform's state. A param whose entry was deleted or emptied (`state.pop(p)`,
+        `state[p] = {}`, `state.clear()`, a new `state` dict) starts over as torch.optim's
+        lazy init would: its buffers as the transform's `init` makes them; when every param of
+        a group starts over, so does the group's whole state, step count included. An
+        assigned `step` sets the group's step count (one per group here)."""
+        self.state.edited = False
+        for index, (group, g) in enumerate(zip(self.param_groups, self._groups)):
+            if g.lazy:
+                continue
+            params = group["params"]
+            leaves = ps.tree_leaves(g.state)
+            keys = [(i, j, key) for i, j, key in g.buffers] + (
+                [(g.count, j, "step") for j in range(len(params))] if _has_step(g) else [])
+            reset, steps = set(), {}
+            for i, j, key in keys:
+                entry, shown = dict.get(self.state, params[j]), g.shown.get((j, key), _MISSING)
+                if entry is None or key not in entry:
+                    if shown is not _MISSING:
+                        reset.add(j)
+                    continue
+                value = entry[key]
+                if value is shown:
+                    continue
+                if key == "step":
+                    steps[g.names[j]] = float(value)
+                    continue
+                new = torch.as_tensor(value)
+                new = torch.view_as_real(new) if new.is_complex() else new
+                if new.shape != leaves[i].shape:
+                    raise ValueError(
+                        f"optimizer.state[param {g.names[j]!r}][{key!r}] was set to shape {tuple(new.shape)}; "
+                        f"that buffer is {tuple(leaves[i].shape)}"
+                    )
+                with torch.no_grad():
+                    leaves[i].copy_(new)
+                entry[key] = g.shown[j, key] = value
+            if reset:
+                self._start_over(g, params, reset)
+            if steps:
+                if len(set(steps.values())) > 1:
+                    raise ValueError(
+                        f"optimizer.state sets different steps {steps} in param group {index}, whose params "
+                        "share one step count here; set the same step on all of them"
+                    )
+                with torch.no_grad():
+                    for i in g.counts:  # as a loaded torch `step` sets them
+                        leaves[i].fill_(next(iter(steps.values())))
+        self.state.stale = True  # shown again, as they now are, when next read
+
+    def _start_over(self, g: _Group, params: list[Tensor], which: set[int]) -> None:
+        with torch.no_grad():
+            fresh = ps.tree_leaves(g.transform.init(g.tree))
+            leaves = ps.tree_leaves(g.state)
+            if len(which) == len(params):  # all of it, the hyperparameters the groups set aside
+                hyper = {id(t) for t in ps.tree_leaves(g.hyper)}
+                starts = [i for i, leaf in enumerate(leaves) if id(leaf) not in hyper]
+            else:
+                starts = [i for i, j, _ in g.buffers if j in which]
+            for i in starts:
+                leaves[i].copy_(fresh[i])
+        for j in which:
+            for key in [k for (jj, k) in g.shown if jj == j]:
+                del g.shown[j, key]
 
     def _extras(self, params: list[Tensor], g: _Group) -> list[dict[str, Any]]:
         """What else code put into `self.state[param]` (a wrapper's slow weights, say), per param."""
@@ -611,6 +720,8 @@ class Optimizer(torch.optim.Optimizer):
 # Helpers.
 # --------------------------------------------------------------------------- #
 
+
+_MISSING = object()
 
 # Keys that set an optimizer's hyperparameter in torch.optim: a group setting one the transform
 # does not hold is refused (it would do nothing); any other key is kept, unread.

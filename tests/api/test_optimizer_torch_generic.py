@@ -325,3 +325,50 @@ def test_state_dict_hooks_see_and_keep_entries_keyed_by_other_than_a_param(name)
     ours = scenario(_make(name))
     theirs = scenario(INFOS[name].optim_cls)
     assert ours == theirs == (True, 0.003, {"saved_flag": True, "ran_post": 0.003}), (ours, theirs)
+
+
+_EDITS = {
+    "assign a buffer": lambda opt, ps_: [opt.state[p].__setitem__("exp_avg", torch.zeros_like(p)) for p in ps_],
+    "assign a computed buffer": lambda opt, ps_: [opt.state[p].__setitem__("exp_avg_sq", opt.state[p]["exp_avg_sq"] * 3)
+                                                  for p in ps_],
+    "edit a buffer in place": lambda opt, ps_: [opt.state[p]["exp_avg"].mul_(0.5) for p in ps_],
+    "assign step": lambda opt, ps_: [opt.state[p].__setitem__("step", torch.tensor(10.0)) for p in ps_],
+    "pop every param": lambda opt, ps_: [opt.state.pop(p) for p in ps_],
+    "empty every entry": lambda opt, ps_: [opt.state.__setitem__(p, {}) for p in ps_],
+    "clear": lambda opt, ps_: opt.state.clear(),
+    "a new state dict": lambda opt, ps_: setattr(opt, "state", __import__("collections").defaultdict(dict)),
+    "clear, then load": lambda opt, ps_: (lambda sd: (opt.state.clear(), opt.load_state_dict(sd)))(
+        copy.deepcopy(opt.state_dict())),
+}
+
+
+@pytest.mark.parametrize("compile", [None, pytest.param(True, id="compiled")])
+def test_edits_to_state_take_effect_at_the_next_step_as_in_torch(compile):
+    # What code does to torch's `optimizer.state` (reset moments, restart from scratch, set the
+    # step) changes the next steps of the adapter as it changes torch.optim.AdamW's.
+    def run(build, edit):
+        torch.manual_seed(0)
+        params = [Parameter(torch.randn(3, 2)), Parameter(torch.randn(4))]
+        opt = build(params)
+        for k in range(5):
+            if k == 3:
+                edit(opt, params)
+            for p in params:
+                p.grad = torch.full_like(p, k - 1.5) + p.detach()
+            opt.step()
+        return [p.detach() for p in params], [{k: torch.as_tensor(v) for k, v in opt.state[p].items()} for p in params]
+
+    for what, edit in _EDITS.items():
+        ours = run(lambda ps_: Optimizer(ps_, ps.adamw, lr=0.1, weight_decay=0.1, compile=compile), edit)
+        theirs = run(lambda ps_: torch.optim.AdamW(ps_, lr=0.1, weight_decay=0.1), edit)
+        torch.testing.assert_close(ours, theirs, msg=lambda m: f"{what}: {m}")
+
+
+def test_a_buffer_set_to_the_wrong_shape_is_refused_naming_the_param():
+    params = [Parameter(torch.randn(3))]
+    opt = Optimizer(params, ps.adamw, lr=0.1)
+    params[0].grad = torch.ones(3)
+    opt.step()
+    opt.state[params[0]]["exp_avg"] = torch.zeros(4)
+    with pytest.raises(ValueError, match=r"state\[param '0'\]\['exp_avg'\] was set to shape \(4,\)"):
+        opt.step()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import inspect
 from typing import Any, Callable, Iterable
 
@@ -11,159 +10,11 @@ from torch import Tensor
 
 import purestep.core as ps
 
-from . import _state_layout as L
+from . import _layout as L
+from ._group import Group, ParamGroup, TorchState, real, refuse_grads
 
 # A group with at least this many elements compiles its update by default (see `Optimizer`).
 AUTO_COMPILE_NUMEL = 1 << 22
-
-
-class _ParamGroup(dict):
-    """A param group whose missing keys say how to make a hyperparameter reachable."""
-
-    def __missing__(self, key: str) -> Any:
-        raise KeyError(
-            f"{key!r}: this param group holds no hyperparameter {key!r}; build the transform with "
-            f"ps.inject_hyperparams(factory)({key}=...), or give Optimizer the factory "
-            f"(Optimizer(params, ps.adamw, {key}=...)), so schedulers and param groups can set it"
-        )
-
-
-class _State(collections.defaultdict):
-    """torch.optim's `state` (param -> dict): the params' purestep buffers are filled in when
-    it is read, so a step only marks it stale and costs nothing here. A read or a write marks
-    it `edited` (what a read returns may be written to), and the next step takes in what
-    code changed (`Optimizer._take_edits`)."""
-
-    def __init__(self, refresh: Callable[[], None]) -> None:
-        super().__init__(dict)
-        self._refresh, self.stale, self.edited = refresh, True, False
-
-    def fresh(self) -> "_State":
-        self.edited = True
-        if self.stale:
-            self.stale = False
-            self._refresh()
-        return self
-
-    # Writes show the buffers first, so that the next step sees what was there before them.
-    def __setitem__(self, key: Any, value: Any) -> None:
-        super(_State, self.fresh()).__setitem__(key, value)
-
-    def __delitem__(self, key: Any) -> None:
-        super(_State, self.fresh()).__delitem__(key)
-
-    def pop(self, *args: Any) -> Any:
-        return super(_State, self.fresh()).pop(*args)
-
-    def popitem(self) -> Any:
-        return super(_State, self.fresh()).popitem()
-
-    def setdefault(self, key: Any, default: Any = None) -> Any:
-        return super(_State, self.fresh()).setdefault(key, default)
-
-    def update(self, *args: Any, **kwargs: Any) -> None:
-        super(_State, self.fresh()).update(*args, **kwargs)
-
-    def clear(self) -> None:
-        super(_State, self.fresh()).clear()
-
-    def __getitem__(self, key: Any) -> Any:
-        return super(_State, self.fresh()).__getitem__(key)
-
-    def __iter__(self) -> Any:
-        return super(_State, self.fresh()).__iter__()
-
-    def __len__(self) -> int:
-        return super(_State, self.fresh()).__len__()
-
-    def __contains__(self, key: Any) -> bool:
-        return super(_State, self.fresh()).__contains__(key)
-
-    def __repr__(self) -> str:
-        return dict.__repr__(self.fresh())
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        return super(_State, self.fresh()).get(key, default)
-
-    def items(self) -> Any:
-        return super(_State, self.fresh()).items()
-
-    def keys(self) -> Any:
-        return super(_State, self.fresh()).keys()
-
-    def values(self) -> Any:
-        return super(_State, self.fresh()).values()
-
-
-class _Group:
-    """What the adapter keeps per param group besides torch's group dict."""
-
-    def __init__(self, transform: ps.Transform, names: list[str], params: list[Tensor], compiled: bool,
-                 differentiable: bool = False) -> None:
-        self.names = names
-        self.compiled = compiled
-        self.differentiable = differentiable
-        # Differentiable: the pure update (autograd records it), its result copied into the params.
-        self.update = ps.make_update(transform, compile=compiled, donate=not differentiable)
-        # The params themselves, not detached aliases: a compiled update re-points the
-        # tensors it is given into its flat buffers, and the model must follow.
-        self.tree = dict(zip(names, params))
-        self.transform = transform
-        # Params on the meta device (deferred init): the state waits for real ones (`materialize`);
-        # until then it is built on one-element stand-ins, which hold the hyperparameters.
-        self.lazy = any(p.is_meta for p in params)
-        self.addresses = [0 if p.is_meta else p.data_ptr() for p in params]
-        self.meta = [(p.shape, p.dtype, p.device) for p in params]
-        stand_ins = {n: torch.zeros([1] * p.dim(), dtype=p.dtype) for n, p in self.tree.items()} if self.lazy else None
-        with torch.no_grad():
-            self.state = transform.init(stand_ins if self.lazy else self.tree)
-        self.mirror: L.Mirror | None = None
-        self.static: dict[str, Any] = {}  # group key -> the value the transform was built with
-        self.shown: dict[tuple[int, str], Any] = {}  # (param index, key) -> the object `state` shows
-        self.refresh()
-
-    def refresh(self) -> None:
-        """Re-read the injected hyperparameters after the state was replaced."""
-        self.shown = {}
-        self.hyper = ps.get_hyperparams(self.state)  # key -> the live 0-d tensor(s)
-        self.pushed = {k: _plain(v) for k, v in self.hyper.items()}  # key -> value in the state
-        self.index_buffers()
-
-    def index_buffers(self) -> None:
-        """Where each param's own buffers sit among the state's leaves: (leaf, param, name)."""
-        roles = [] if self.lazy else L.classify(self.state, self.names)
-        self.buffers = [(i, self.names.index(r.param), r.key) for i, r in enumerate(roles) if r.kind == "buffer"]
-        self.counts = [i for i, r in enumerate(roles) if r.kind == "count"]  # every step count's leaf
-        self.count = self.counts[0] if self.counts else None  # the one shown as torch's `step`
-
-    def materialize(self, params: list[Tensor], where: str) -> None:
-        """The state of params built on the meta device, once they are real (`to_empty` and init)."""
-        if any(p.is_meta for p in params):
-            raise ValueError(
-                f"{where}: its params are still on the meta device; materialize them before the first step or "
-                "state_dict load (model.to_empty(device=...) keeps the Parameter objects this optimizer holds under "
-                "torch.__future__.set_swap_module_params_on_conversion(True); otherwise build the optimizer after it)"
-            )
-        with torch.no_grad():
-            state = self.transform.init(self.tree)
-        for new, old in zip(ps.tree_leaves(ps.get_hyperparams(state)), ps.tree_leaves(self.hyper)):
-            new.copy_(old)  # the values the group set while the params were meta
-        self.state, self.lazy, self.shown = state, False, {}
-        self.meta = [(p.shape, p.dtype, p.device) for p in params]
-        self.addresses = [p.data_ptr() for p in params]
-        self.hyper = ps.get_hyperparams(self.state)
-        self.index_buffers()
-
-    def moved(self, params: list[Tensor]) -> None:
-        """Params whose storage changed (model.to(...), p.data = ..., a compiled update's
-        flat buffers): fine unless their shape, dtype or device changed under the state."""
-        for n, p, (shape, dtype, device) in zip(self.names, params, self.meta):
-            if (p.shape, p.dtype, p.device) != (shape, dtype, device):
-                raise ValueError(
-                    f"param {n!r} is now {p.dtype} {tuple(p.shape)} on {p.device}, but the Optimizer was built "
-                    f"for {dtype} {tuple(shape)} on {device}; build the Optimizer after model.to(...)/.half()"
-                )
-        self.addresses = [p.data_ptr() for p in params]
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -260,7 +111,7 @@ class Optimizer(torch.optim.Optimizer):
         self._init_args = (transform, compile, {**hyperparams, **{k: v for k, v in flags.items() if v}})
         self.transform = transform
         self._compile = compile
-        self._groups: list[_Group] = []
+        self._groups: list[Group] = []
         self._n_params = 0
         self._factory: Callable[..., ps.Transform] | None = None
         self._kwargs: dict[str, Any] = {}
@@ -292,14 +143,14 @@ class Optimizer(torch.optim.Optimizer):
         flags = {"foreach": foreach, "fused": fused, "capturable": capturable, "differentiable": differentiable}
         defaults.update({k: v for k, v in flags.items() if k in defaults or v})  # what the caller said, as torch keeps it
         super().__init__(params, defaults)
-        self.state = _State(self._expose_all)  # torch's state, the buffers filled in when read
+        self.state = TorchState(self._expose_all)  # torch's state, the buffers filled in when read
         if self._factory is None:  # what schedulers read (OneCycleLR checks for "betas"/"momentum")
             self.defaults = {k: v for k, v in self.param_groups[0].items() if k not in L.STRUCTURE_KEYS}
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name == "state" and "state" in self.__dict__ and not isinstance(value, _State):
+        if name == "state" and "state" in self.__dict__ and not isinstance(value, TorchState):
             self.state.fresh()  # what it showed, to compare with at the next step
-            replaced = _State(self._expose_all)  # code replaced the state dict: taken in at the next step
+            replaced = TorchState(self._expose_all)  # code replaced the state dict: taken in at the next step
             dict.update(replaced, value)
             replaced.edited, replaced.stale, value = True, False, replaced
         super().__setattr__(name, value)
@@ -321,7 +172,7 @@ class Optimizer(torch.optim.Optimizer):
         """Add a group (as torch.optim); it may set hyperparameters or its own `"transform"`."""
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
-        param_group = _ParamGroup(param_group)
+        param_group = ParamGroup(param_group)
         own = param_group.pop("transform", None)
         if own is not None and not isinstance(own, ps.Transform):
             raise ValueError(f"param group 'transform' must be a ps.Transform, got {type(own).__name__}")
@@ -372,7 +223,7 @@ class Optimizer(torch.optim.Optimizer):
             # As torch.optim: a complex param is its real view (..., 2). A compiled update would
             # re-point the view, not the param, so a group holding one runs eagerly.
             compiled = False
-        g = _Group(transform, names, _real(params), compiled, self._differentiable)
+        g = Group(transform, names, real(params), compiled, self._differentiable)
         if mirror is not None:
             L.check_torch_layout(g.state, names, mirror)
         g.mirror = mirror
@@ -395,10 +246,10 @@ class Optimizer(torch.optim.Optimizer):
             group.update(g.pushed)  # the values as the state holds them
         self._push(group, g, index)
         self._groups.append(g)
-        if isinstance(self.state, _State):  # torch.optim's __init__ adds the first groups to a plain dict
+        if isinstance(self.state, TorchState):  # torch.optim's __init__ adds the first groups to a plain dict
             self.state.stale = True
 
-    def _push(self, group: dict[str, Any], g: _Group, index: int) -> None:
+    def _push(self, group: dict[str, Any], g: Group, index: int) -> None:
         """Write group values that changed into the state; refuse a changed structural one."""
         for key, old in g.pushed.items():
             new = group[key]
@@ -432,19 +283,19 @@ class Optimizer(torch.optim.Optimizer):
         if self.state.edited:
             self._take_edits()
         for index, (group, g) in enumerate(zip(self.param_groups, self._groups)):
-            params = _real(group["params"])
-            grads = _real([p.grad for p in group["params"]])
+            params = real(group["params"])
+            grads = real([p.grad for p in group["params"]])
             missing = sum(gr is None for gr in grads)  # not list.count: that calls Tensor.__eq__
             if missing == len(grads):
                 continue  # nothing to do, as torch.optim
             if any(gr is not None and gr.is_sparse for gr in grads):
-                _refuse_grads(g.names, grads)
+                refuse_grads(g.names, grads)
             if g.lazy:
                 g.materialize(params, f"param group {index}")
             if [p.data_ptr() for p in params] != g.addresses:
                 g.moved(params)
             self._push(group, g, index)
-            held = _hold(g, params, grads) if missing else None
+            held = g.hold(params, grads) if missing else None
             if held is not None:
                 grads = [gr if gr is not None else torch.zeros_like(p) for p, gr in zip(params, grads)]
             # Differentiable: the update reads clones (its graph may save what it reads; the params change next).
@@ -454,7 +305,7 @@ class Optimizer(torch.optim.Optimizer):
                 for p, new in zip(params, new_params.values()):
                     p.copy_(new)
             if held is not None:
-                _give_back(g, params, held)
+                g.give_back(params, held)
         self.state.stale = True  # `state` shows the new buffers when it is next read
 
     # ------------------------------------------------------------------ state
@@ -587,98 +438,24 @@ class Optimizer(torch.optim.Optimizer):
     def _expose_all(self) -> None:
         for group, g in zip(self.param_groups, self._groups):
             if not g.lazy and L.keeps_buffers(g.mirror, group):
-                self._expose(g, group["params"])
-
-    def _expose(self, g: _Group, params: list[Tensor]) -> None:
-        """`self.state[param]` shows the param's own buffers (the live state tensors, torch's
-        names where the factory mirrors a torch class), as torch.optim's state does: code
-        that reads it, and torch.distributed.checkpoint's `get_state_dict` (which steps an
-        optimizer whose state is empty), see what there is."""
-        leaves = ps.tree_leaves(g.state)
-        for i, j, key in g.buffers:
-            p = params[j]
-            self.state[p][key] = g.shown[j, key] = torch.view_as_complex(leaves[i]) if p.is_complex() else leaves[i]
-        if _has_step(g):  # torch's per-param `step`: the group's count, as torch keeps it (a CPU float)
-            step = L.torch_step(leaves[g.count])
-            for j, p in enumerate(params):
-                self.state[p]["step"] = g.shown[j, "step"] = step.clone()
+                g.expose(self.state, group["params"])
 
     def _take_edits(self) -> None:
-        """What code changed in `state` since the last step, taken in as torch.optim would.
-
-        A buffer assigned a new tensor (`state[p]["exp_avg"] = t`) is copied into the
-        transform's state. A param whose entry was deleted or emptied (`state.pop(p)`,
-        `state[p] = {}`, `state.clear()`, a new `state` dict) starts over as torch.optim's
-        lazy init would: its buffers as the transform's `init` makes them; when every param of
-        a group starts over, so does the group's whole state, step count included. An
-        assigned `step` sets the group's step count (one per group here)."""
+        """What code changed in `state` since the last step, taken in (see `Group.take_edits`)."""
         self.state.edited = False
         for index, (group, g) in enumerate(zip(self.param_groups, self._groups)):
-            if g.lazy:
-                continue
-            params = group["params"]
-            leaves = ps.tree_leaves(g.state)
-            keys = [(i, j, key) for i, j, key in g.buffers] + (
-                [(g.count, j, "step") for j in range(len(params))] if _has_step(g) else [])
-            reset, steps = set(), {}
-            for i, j, key in keys:
-                entry, shown = dict.get(self.state, params[j]), g.shown.get((j, key), _MISSING)
-                if entry is None or key not in entry:
-                    if shown is not _MISSING:
-                        reset.add(j)
-                    continue
-                value = entry[key]
-                if value is shown:
-                    continue
-                if key == "step":
-                    steps[g.names[j]] = float(value)
-                    continue
-                new = torch.as_tensor(value)
-                new = torch.view_as_real(new) if new.is_complex() else new
-                if new.shape != leaves[i].shape:
-                    raise ValueError(
-                        f"optimizer.state[param {g.names[j]!r}][{key!r}] was set to shape {tuple(new.shape)}; "
-                        f"that buffer is {tuple(leaves[i].shape)}"
-                    )
-                with torch.no_grad():
-                    leaves[i].copy_(new)
-                entry[key] = g.shown[j, key] = value
-            if reset:
-                self._start_over(g, params, reset)
-            if steps:
-                if len(set(steps.values())) > 1:
-                    raise ValueError(
-                        f"optimizer.state sets different steps {steps} in param group {index}, whose params "
-                        "share one step count here; set the same step on all of them"
-                    )
-                with torch.no_grad():
-                    for i in g.counts:  # as a loaded torch `step` sets them
-                        leaves[i].fill_(next(iter(steps.values())))
+            if not g.lazy:
+                g.take_edits(self.state, group["params"], index)
         self.state.stale = True  # shown again, as they now are, when next read
 
-    def _start_over(self, g: _Group, params: list[Tensor], which: set[int]) -> None:
-        with torch.no_grad():
-            fresh = ps.tree_leaves(g.transform.init(g.tree))
-            leaves = ps.tree_leaves(g.state)
-            if len(which) == len(params):  # all of it, the hyperparameters the groups set aside
-                hyper = {id(t) for t in ps.tree_leaves(g.hyper)}
-                starts = [i for i, leaf in enumerate(leaves) if id(leaf) not in hyper]
-            else:
-                starts = [i for i, j, _ in g.buffers if j in which]
-            for i in starts:
-                leaves[i].copy_(fresh[i])
-        for j in which:
-            for key in [k for (jj, k) in g.shown if jj == j]:
-                del g.shown[j, key]
-
-    def _extras(self, params: list[Tensor], g: _Group) -> list[dict[str, Any]]:
+    def _extras(self, params: list[Tensor], g: Group) -> list[dict[str, Any]]:
         """What else code put into `self.state[param]` (a wrapper's slow weights, say), per param."""
-        own = [{"step"} if _has_step(g) else set() for _ in params]
+        own = [{"step"} if g.has_step else set() for _ in params]
         for _, j, key in g.buffers:
             own[j].add(key)
         return [{k: v for k, v in self.state.get(p, {}).items() if k not in own[j]} for j, p in enumerate(params)]
 
-    def _check_push(self, values: dict[str, Any], g: _Group, state: Any, index: int) -> None:
+    def _check_push(self, values: dict[str, Any], g: Group, state: Any, index: int) -> None:
         """What `_push` would refuse, found on copies of the new state's hyperparameters."""
         hyper = ps.get_hyperparams(state)
         for key in g.pushed:
@@ -721,17 +498,10 @@ class Optimizer(torch.optim.Optimizer):
 # --------------------------------------------------------------------------- #
 
 
-_MISSING = object()
-
 # Keys that set an optimizer's hyperparameter in torch.optim: a group setting one the transform
 # does not hold is refused (it would do nothing); any other key is kept, unread.
 _HYPERPARAMETERS = frozenset({"lr", "weight_decay", "momentum", "betas", "eps", "nesterov", "dampening", "amsgrad",
                               "maximize", "alpha", "initial_accumulator_value", "lr_decay", "rho"})
-
-
-def _has_step(g: _Group) -> bool:
-    """Whether the group shows torch's per-param `step` (its factory mirrors Adam or AdamW)."""
-    return g.mirror is not None and g.mirror.has_step and g.count is not None
 
 
 def _named(names: list[str]) -> bool:
@@ -758,12 +528,6 @@ def _changed(new: Any, old: Any) -> bool:
     return new != old
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, tuple):
-        return tuple(_plain(v) for v in value)
-    return value.item() if isinstance(value, Tensor) else value
-
-
 def _fill(target: Any, value: Any, where: str) -> None:
     """Write `value` into the live hyperparameter tensor(s) `target`, in place."""
     if isinstance(target, tuple):
@@ -777,12 +541,7 @@ def _fill(target: Any, value: Any, where: str) -> None:
         target.fill_(value)
 
 
-def _real(tensors: list[Tensor | None]) -> list[Tensor | None]:
-    """Complex tensors as their real views (..., 2), as torch.optim treats complex params."""
-    return [torch.view_as_real(t) if t is not None and t.is_complex() else t for t in tensors]
-
-
-def _split_extras(saved: dict, groups: list[_Group], saved_groups: list[dict], torch_layout: bool) -> tuple[dict, list]:
+def _split_extras(saved: dict, groups: list[Group], saved_groups: list[dict], torch_layout: bool) -> tuple[dict, list]:
     """The saved per-param entries without what code other than the transform put there
     (a wrapper's keys), and those keys per param in order, to go back into `state`."""
     kept, extras = {}, []
@@ -800,27 +559,3 @@ def _split_extras(saved: dict, groups: list[_Group], saved_groups: list[dict], t
     return {i: e for i, e in kept.items() if e}, extras
 
 
-def _hold(g: _Group, params: list[Tensor], grads: list[Tensor | None]) -> tuple[list, list]:
-    """Copies of the params without a grad and of their own state buffers, put back after the
-    group's update (run with zero grads for them): they are skipped, as torch.optim skips them.
-    The group's shared state (a step count) still advances."""
-    skipped = {n for n, gr in zip(g.names, grads) if gr is None}
-    roles = L.classify(g.state, g.names)
-    leaves = ps.tree_leaves(g.state)
-    buffers = [(i, leaves[i].clone()) for i, r in enumerate(roles) if r.kind == "buffer" and r.param in skipped]
-    values = [(i, p.detach().clone()) for i, (n, p) in enumerate(zip(g.names, params)) if n in skipped]
-    return values, buffers
-
-
-def _give_back(g: _Group, params: list[Tensor], held: tuple[list, list]) -> None:
-    values, buffers = held
-    leaves = ps.tree_leaves(g.state)
-    for i, v in values:
-        params[i].copy_(v)
-    for i, v in buffers:
-        leaves[i].copy_(v)
-
-
-def _refuse_grads(names: list[str], grads: list[Tensor | None]) -> None:
-    sparse = next(n for n, gr in zip(names, grads) if gr is not None and gr.is_sparse)
-    raise ValueError(f"param {sparse!r} has a sparse grad; purestep transforms need dense grads")

@@ -1,0 +1,284 @@
+"""The adapter's bookkeeping per param group, and torch's `state` dict shown over it."""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+import purestep.core as ps
+
+from . import _layout as L
+
+MISSING = object()
+
+
+class ParamGroup(dict):
+    """A param group whose missing keys say how to make a hyperparameter reachable."""
+
+    def __missing__(self, key: str) -> Any:
+        raise KeyError(
+            f"{key!r}: this param group holds no hyperparameter {key!r}; build the transform with "
+            f"ps.inject_hyperparams(factory)({key}=...), or give Optimizer the factory "
+            f"(Optimizer(params, ps.adamw, {key}=...)), so schedulers and param groups can set it"
+        )
+
+
+class TorchState(collections.defaultdict):
+    """torch.optim's `state` (param -> dict): the params' purestep buffers are filled in when
+    it is read, so a step only marks it stale and costs nothing here. A read or a write marks
+    it `edited` (what a read returns may be written to), and the next step takes in what
+    code changed (`Group.take_edits`)."""
+
+    def __init__(self, refresh: Callable[[], None]) -> None:
+        super().__init__(dict)
+        self._refresh, self.stale, self.edited = refresh, True, False
+
+    def fresh(self) -> "TorchState":
+        self.edited = True
+        if self.stale:
+            self.stale = False
+            self._refresh()
+        return self
+
+    # Writes show the buffers first, so that the next step sees what was there before them.
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super(TorchState, self.fresh()).__setitem__(key, value)
+
+    def __delitem__(self, key: Any) -> None:
+        super(TorchState, self.fresh()).__delitem__(key)
+
+    def pop(self, *args: Any) -> Any:
+        return super(TorchState, self.fresh()).pop(*args)
+
+    def popitem(self) -> Any:
+        return super(TorchState, self.fresh()).popitem()
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        return super(TorchState, self.fresh()).setdefault(key, default)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        super(TorchState, self.fresh()).update(*args, **kwargs)
+
+    def clear(self) -> None:
+        super(TorchState, self.fresh()).clear()
+
+    def __getitem__(self, key: Any) -> Any:
+        return super(TorchState, self.fresh()).__getitem__(key)
+
+    def __iter__(self) -> Any:
+        return super(TorchState, self.fresh()).__iter__()
+
+    def __len__(self) -> int:
+        return super(TorchState, self.fresh()).__len__()
+
+    def __contains__(self, key: Any) -> bool:
+        return super(TorchState, self.fresh()).__contains__(key)
+
+    def __repr__(self) -> str:
+        return dict.__repr__(self.fresh())
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return super(TorchState, self.fresh()).get(key, default)
+
+    def items(self) -> Any:
+        return super(TorchState, self.fresh()).items()
+
+    def keys(self) -> Any:
+        return super(TorchState, self.fresh()).keys()
+
+    def values(self) -> Any:
+        return super(TorchState, self.fresh()).values()
+
+
+class Group:
+    """What the adapter keeps per param group besides torch's group dict."""
+
+    def __init__(self, transform: ps.Transform, names: list[str], params: list[Tensor], compiled: bool,
+                 differentiable: bool = False) -> None:
+        self.names = names
+        self.compiled = compiled
+        self.differentiable = differentiable
+        # Differentiable: the pure update (autograd records it), its result copied into the params.
+        self.update = ps.make_update(transform, compile=compiled, donate=not differentiable)
+        # The params themselves, not detached aliases: a compiled update re-points the
+        # tensors it is given into its flat buffers, and the model must follow.
+        self.tree = dict(zip(names, params))
+        self.transform = transform
+        # Params on the meta device (deferred init): the state waits for real ones (`materialize`);
+        # until then it is built on one-element stand-ins, which hold the hyperparameters.
+        self.lazy = any(p.is_meta for p in params)
+        self.addresses = [0 if p.is_meta else p.data_ptr() for p in params]
+        self.meta = [(p.shape, p.dtype, p.device) for p in params]
+        stand_ins = {n: torch.zeros([1] * p.dim(), dtype=p.dtype) for n, p in self.tree.items()} if self.lazy else None
+        with torch.no_grad():
+            self.state = transform.init(stand_ins if self.lazy else self.tree)
+        self.mirror: L.Mirror | None = None
+        self.static: dict[str, Any] = {}  # group key -> the value the transform was built with
+        self.shown: dict[tuple[int, str], Any] = {}  # (param index, key) -> the object `state` shows
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Re-read the injected hyperparameters after the state was replaced."""
+        self.shown = {}
+        self.hyper = ps.get_hyperparams(self.state)  # key -> the live 0-d tensor(s)
+        self.pushed = {k: plain(v) for k, v in self.hyper.items()}  # key -> value in the state
+        self.index_buffers()
+
+    def index_buffers(self) -> None:
+        """Where each param's own buffers sit among the state's leaves: (leaf, param, name)."""
+        roles = [] if self.lazy else L.classify(self.state, self.names)
+        self.buffers = [(i, self.names.index(r.param), r.key) for i, r in enumerate(roles) if r.kind == "buffer"]
+        self.counts = [i for i, r in enumerate(roles) if r.kind == "count"]  # every step count's leaf
+        self.count = self.counts[0] if self.counts else None  # the one shown as torch's `step`
+
+    def materialize(self, params: list[Tensor], where: str) -> None:
+        """The state of params built on the meta device, once they are real (`to_empty` and init)."""
+        if any(p.is_meta for p in params):
+            raise ValueError(
+                f"{where}: its params are still on the meta device; materialize them before the first step or "
+                "state_dict load (model.to_empty(device=...) keeps the Parameter objects this optimizer holds under "
+                "torch.__future__.set_swap_module_params_on_conversion(True); otherwise build the optimizer after it)"
+            )
+        with torch.no_grad():
+            state = self.transform.init(self.tree)
+        for new, old in zip(ps.tree_leaves(ps.get_hyperparams(state)), ps.tree_leaves(self.hyper)):
+            new.copy_(old)  # the values the group set while the params were meta
+        self.state, self.lazy, self.shown = state, False, {}
+        self.meta = [(p.shape, p.dtype, p.device) for p in params]
+        self.addresses = [p.data_ptr() for p in params]
+        self.hyper = ps.get_hyperparams(self.state)
+        self.index_buffers()
+
+    def moved(self, params: list[Tensor]) -> None:
+        """Params whose storage changed (model.to(...), p.data = ..., a compiled update's
+        flat buffers): fine unless their shape, dtype or device changed under the state."""
+        for n, p, (shape, dtype, device) in zip(self.names, params, self.meta):
+            if (p.shape, p.dtype, p.device) != (shape, dtype, device):
+                raise ValueError(
+                    f"param {n!r} is now {p.dtype} {tuple(p.shape)} on {p.device}, but the Optimizer was built "
+                    f"for {dtype} {tuple(shape)} on {device}; build the Optimizer after model.to(...)/.half()"
+                )
+        self.addresses = [p.data_ptr() for p in params]
+
+    @property
+    def has_step(self) -> bool:
+        """Whether the group shows torch's per-param `step` (its factory mirrors Adam or AdamW)."""
+        return self.mirror is not None and self.mirror.has_step and self.count is not None
+
+    def expose(self, state: TorchState, params: list[Tensor]) -> None:
+        """`state[param]` shows the param's own buffers (the live state tensors, torch's
+        names where the factory mirrors a torch class), as torch.optim's state does: code
+        that reads it, and torch.distributed.checkpoint's `get_state_dict` (which steps an
+        optimizer whose state is empty), see what there is."""
+        leaves = ps.tree_leaves(self.state)
+        for i, j, key in self.buffers:
+            p = params[j]
+            state[p][key] = self.shown[j, key] = torch.view_as_complex(leaves[i]) if p.is_complex() else leaves[i]
+        if self.has_step:  # torch's per-param `step`: the group's count, as torch keeps it (a CPU float)
+            step = L.torch_step(leaves[self.count])
+            for j, p in enumerate(params):
+                state[p]["step"] = self.shown[j, "step"] = step.clone()
+
+    def take_edits(self, state: TorchState, params: list[Tensor], index: int) -> None:
+        """What code changed in `state` for this group's params since the last step, taken in
+        as torch.optim would.
+
+        A buffer assigned a new tensor (`state[p]["exp_avg"] = t`) is copied into the
+        transform's state. A param whose entry was deleted or emptied (`state.pop(p)`,
+        `state[p] = {}`, `state.clear()`, a new `state` dict) starts over as torch.optim's
+        lazy init would: its buffers as the transform's `init` makes them; when every param of
+        a group starts over, so does the group's whole state, step count included. An
+        assigned `step` sets the group's step count (one per group here)."""
+        leaves = ps.tree_leaves(self.state)
+        keys = [(i, j, key) for i, j, key in self.buffers] + (
+            [(self.count, j, "step") for j in range(len(params))] if self.has_step else [])
+        reset, steps = set(), {}
+        for i, j, key in keys:
+            entry, shown = dict.get(state, params[j]), self.shown.get((j, key), MISSING)
+            if entry is None or key not in entry:
+                if shown is not MISSING:
+                    reset.add(j)
+                continue
+            value = entry[key]
+            if value is shown:
+                continue
+            if key == "step":
+                steps[self.names[j]] = float(value)
+                continue
+            new = torch.as_tensor(value)
+            new = torch.view_as_real(new) if new.is_complex() else new
+            if new.shape != leaves[i].shape:
+                raise ValueError(
+                    f"optimizer.state[param {self.names[j]!r}][{key!r}] was set to shape {tuple(new.shape)}; "
+                    f"that buffer is {tuple(leaves[i].shape)}"
+                )
+            with torch.no_grad():
+                leaves[i].copy_(new)
+            entry[key] = self.shown[j, key] = value
+        if reset:
+            self.start_over(params, reset)
+        if steps:
+            if len(set(steps.values())) > 1:
+                raise ValueError(
+                    f"optimizer.state sets different steps {steps} in param group {index}, whose params "
+                    "share one step count here; set the same step on all of them"
+                )
+            with torch.no_grad():
+                for i in self.counts:  # as a loaded torch `step` sets them
+                    leaves[i].fill_(next(iter(steps.values())))
+
+    def start_over(self, params: list[Tensor], which: set[int]) -> None:
+        """The buffers of the params in `which` as `init` makes them; all of the state (the
+        injected hyperparameters aside) when `which` is every param."""
+        with torch.no_grad():
+            fresh = ps.tree_leaves(self.transform.init(self.tree))
+            leaves = ps.tree_leaves(self.state)
+            if len(which) == len(params):  # all of it, the hyperparameters the groups set aside
+                hyper = {id(t) for t in ps.tree_leaves(self.hyper)}
+                starts = [i for i, leaf in enumerate(leaves) if id(leaf) not in hyper]
+            else:
+                starts = [i for i, j, _ in self.buffers if j in which]
+            for i in starts:
+                leaves[i].copy_(fresh[i])
+        for j in which:
+            for key in [k for (jj, k) in self.shown if jj == j]:
+                del self.shown[j, key]
+
+    def hold(self, params: list[Tensor], grads: list[Tensor | None]) -> tuple[list, list]:
+        """Copies of the params without a grad and of their own state buffers, put back after the
+        group's update (run with zero grads for them): they are skipped, as torch.optim skips them.
+        The group's shared state (a step count) still advances."""
+        skipped = {n for n, gr in zip(self.names, grads) if gr is None}
+        roles = L.classify(self.state, self.names)
+        leaves = ps.tree_leaves(self.state)
+        buffers = [(i, leaves[i].clone()) for i, r in enumerate(roles) if r.kind == "buffer" and r.param in skipped]
+        values = [(i, p.detach().clone()) for i, (n, p) in enumerate(zip(self.names, params)) if n in skipped]
+        return values, buffers
+
+    def give_back(self, params: list[Tensor], held: tuple[list, list]) -> None:
+        values, buffers = held
+        leaves = ps.tree_leaves(self.state)
+        for i, v in values:
+            params[i].copy_(v)
+        for i, v in buffers:
+            leaves[i].copy_(v)
+
+
+def real(tensors: list[Tensor | None]) -> list[Tensor | None]:
+    """Complex tensors as their real views (..., 2), as torch.optim treats complex params."""
+    return [torch.view_as_real(t) if t is not None and t.is_complex() else t for t in tensors]
+
+
+def refuse_grads(names: list[str], grads: list[Tensor | None]) -> None:
+    sparse = next(n for n, gr in zip(names, grads) if gr is not None and gr.is_sparse)
+    raise ValueError(f"param {sparse!r} has a sparse grad; purestep transforms need dense grads")
+
+
+def plain(value: Any) -> Any:
+    """A hyperparameter's value as a param group holds it (tensors read once, here)."""
+    if isinstance(value, tuple):
+        return tuple(plain(v) for v in value)
+    return value.item() if isinstance(value, Tensor) else value

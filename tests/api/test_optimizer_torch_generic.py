@@ -8,9 +8,11 @@ tensor lr equals float lr, zero or absent grads change nothing, grads are never 
 step hooks (global and per instance) run in torch's order, printing, state dicts that survive
 `torch.save` + `torch.load(weights_only=True)`, older state dicts (no implementation flags,
 a Python-number step), deepcopy keeps every public attribute, state is never empty after a
-step, and complex params equal their real view on a 2-D problem. The eager path runs each
-configuration of optim_db (the `fused` ones compile and run in `_COMPILED`); `_COMPILED` runs
-one configuration per class with `compile=True`.
+step, and complex params equal their real view on a 2-D problem; beside them, what torch's
+state-dict hook tests and common code do to `optimizer.state` (flags under non-param keys,
+assigned buffers and steps, resets), side by side with torch's classes. The eager path runs
+each configuration of optim_db but the `fused` ones; `_COMPILED` runs one configuration per
+class with `compile=True` (what `fused=True` does).
 """
 
 from __future__ import annotations

@@ -127,7 +127,11 @@ def build_optimizer(section: OptimizerConfig, lr: Any) -> ps.Transform:
         if arg == "lr":
             raise ConfigError(field, "set optimizer.lr instead")
         if arg not in params:
-            raise ConfigError(field, f"{section.name} has no argument {arg!r} (it takes {[p for p in params if p != 'lr']})")
+            raise ConfigError(
+                field,
+                f"{section.name} has no argument {arg!r} (it takes {[p for p in params if p != 'lr']}); "
+                f"with a new optimizer.name, set its own optimizer.kwargs (--set 'optimizer.kwargs={{}}' clears them)",
+            )
         value = _argument(arg, value, field)
         if callable(lr) and arg.endswith("_lr") and isinstance(value, (int, float)) and section.lr > 0:
             value = _follow(lr, value / section.lr)

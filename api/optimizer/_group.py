@@ -190,21 +190,24 @@ class Group:
         transform's state. A param whose entry was deleted or emptied (`state.pop(p)`,
         `state[p] = {}`, `state.clear()`, a new `state` dict) starts over as torch.optim's
         lazy init would: its buffers as the transform's `init` makes them; when every param of
-        a group starts over, so does the group's whole state, step count included. An
+        a group starts over, so does the group's whole state, step count included. An entry
+        that lost some of its buffers starts over too, then takes the ones it holds. An
         assigned `step` sets the group's step count (one per group here)."""
         leaves = ps.tree_leaves(self.state)
         keys = [(i, j, key) for i, j, key in self.buffers] + (
             [(self.count, j, "step") for j in range(len(params))] if self.has_step else [])
-        reset, steps = set(), {}
+        reset, assigned, steps = set(), [], {}
         for i, j, key in keys:
             entry, shown = dict.get(state, params[j]), self.shown.get((j, key), MISSING)
             if entry is None or key not in entry:
                 if shown is not MISSING:
-                    reset.add(j)
-                continue
+                    reset.add(j)  # a key it showed is gone: the param starts over
+            elif entry[key] is not shown:
+                assigned.append((i, j, key, entry))
+        if reset:  # first, so that what an emptied entry was given again is taken after
+            self.start_over(params, reset)
+        for i, j, key, entry in assigned:
             value = entry[key]
-            if value is shown:
-                continue
             if key == "step":
                 steps[self.names[j]] = float(value)
                 continue
@@ -218,8 +221,6 @@ class Group:
             with torch.no_grad():
                 leaves[i].copy_(new)
             entry[key] = self.shown[j, key] = value
-        if reset:
-            self.start_over(params, reset)
         if steps:
             if len(set(steps.values())) > 1:
                 raise ValueError(

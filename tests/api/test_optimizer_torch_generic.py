@@ -335,6 +335,8 @@ _EDITS = {
                                                   for p in ps_],
     "edit a buffer in place": lambda opt, ps_: [opt.state[p]["exp_avg"].mul_(0.5) for p in ps_],
     "assign step": lambda opt, ps_: [opt.state[p].__setitem__("step", torch.tensor(10.0)) for p in ps_],
+    "a new entry with every buffer": lambda opt, ps_: [opt.state.__setitem__(p, {
+        "step": torch.tensor(1.0), "exp_avg": torch.full_like(p, 0.1), "exp_avg_sq": torch.full_like(p, 0.2)}) for p in ps_],
     "pop every param": lambda opt, ps_: [opt.state.pop(p) for p in ps_],
     "empty every entry": lambda opt, ps_: [opt.state.__setitem__(p, {}) for p in ps_],
     "clear": lambda opt, ps_: opt.state.clear(),
@@ -374,3 +376,31 @@ def test_a_buffer_set_to_the_wrong_shape_is_refused_naming_the_param():
     opt.state[params[0]]["exp_avg"] = torch.zeros(4)
     with pytest.raises(ValueError, match=r"state\[param '0'\]\['exp_avg'\] was set to shape \(4,\)"):
         opt.step()
+
+
+@pytest.mark.parametrize("make, dtype", [
+    pytest.param(lambda ps_: Optimizer(ps_, ps.chain(ps.clip_by_global_norm(1.0), ps.lion(1e-2, weight_decay=0.1))),
+                 torch.float32, id="built-lion"),
+    pytest.param(lambda ps_: Optimizer(ps_, ps.soap, lr=1e-2, precondition_frequency=2), torch.float32, id="soap"),
+    pytest.param(lambda ps_: Optimizer(ps_, ps.adamw, lr=1e-2), torch.complex64, id="adamw-complex"),
+])
+def test_a_cleared_state_starts_over_as_a_new_optimizer_on_the_same_params(make, dtype):
+    # The generic layout and non-torch transforms too: after state.clear(), the next steps
+    # equal those of an optimizer built afresh on the params as they are.
+    torch.manual_seed(0)
+    params = [Parameter(torch.randn(4, 3, dtype=dtype)), Parameter(torch.randn(3, dtype=dtype))]
+    opt = make(params)
+
+    def steps(o, ps_, ks):
+        for k in ks:
+            for p in ps_:
+                p.grad = torch.full_like(p, 1.0 if k < 5 else -0.3) + p.detach() * 0.1  # momentum, then against it
+            o.step()
+
+    steps(opt, params, range(5))
+    twin_params = [Parameter(p.detach().clone()) for p in params]
+    twin = make(twin_params)
+    opt.state.clear()
+    steps(opt, params, range(5, 9))
+    steps(twin, twin_params, range(5, 9))
+    torch.testing.assert_close([p.detach() for p in params], [p.detach() for p in twin_params], rtol=0, atol=0)

@@ -266,11 +266,14 @@ class Optimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ step
 
+    @torch.compiler.disable
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """One update of every group whose params have grads; `closure` (re)computes loss and grads first.
 
         Outside autograd, as torch.optim; with `differentiable=True` autograd records the step
-        (torch's `differentiable`: params that are non-leaf tensors, e.g. clones, carry it)."""
+        (torch's `differentiable`: params that are non-leaf tensors, e.g. clones, carry it).
+        Inside a `torch.compile`d function it runs as it is (a graph break): it is compiled
+        already where compiling pays (`compile=`), and dynamo does not trace its bookkeeping."""
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -262,3 +262,22 @@ def test_get_and_set_state_dict_on_a_fresh_optimizer_change_no_training(form):
         return [p.detach().clone() for p in model.parameters()]
 
     assert all(torch.equal(a, b) for a, b in zip(run(True), run(False)))
+
+
+def test_step_called_inside_a_compiled_training_step_runs_as_torchs():
+    # torch's compiled-step recipe: the whole training step under torch.compile. The adapter's
+    # step is a graph break (compiler.disable); dynamo crashed tracing its bookkeeping before.
+    model, twin = make_model(), make_model()
+    opt = Optimizer(model.parameters(), ps.adamw, lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.1)
+
+    @torch.compile
+    def train_step(m, o, x, y):
+        o.zero_grad()
+        ((m(x) - y) ** 2).mean().backward()
+        o.step()
+
+    for x, y in batches(3):
+        train_step(model, opt, x, y)
+        train(twin, ref, [(x, y)])
+    assert_same_params(model, twin)

@@ -168,6 +168,7 @@ class Optimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ groups
 
+    @torch.compiler.disable  # as torch.optim's
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (as torch.optim); it may set hyperparameters or its own `"transform"`."""
         if not isinstance(param_group, dict):
@@ -313,6 +314,7 @@ class Optimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ state
 
+    @torch.compiler.disable  # as torch.optim's
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """`{"state": {param index: {name: tensor}}, "param_groups": [...]}`, tensors and plain values only.
 
@@ -358,6 +360,7 @@ class Optimizer(torch.optim.Optimizer):
                 state[key] = value
         return {"state": state, "param_groups": groups}
 
+    @torch.compiler.disable  # as torch.optim's
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Restore a `state_dict` of this layout (from this class, or from `torch_class`).
 

@@ -145,7 +145,8 @@ def scale_by_normuon(
             o2 = o.reshape(n, rows, cols).to(_wide(o.dtype))  # a stack's k matrices, or one
             v = v.reshape(n, rows) * b2 + o2.square().mean(dim=2) * (1.0 - b2)  # v ← β₂·v + (1-β₂)·mean_cols(O²)
             normed.append((o2 / (v.sqrt() + eps).unsqueeze(2)).reshape(o.shape))  # Ô = O / (√v + ε), per row
-            orth.append(o2.reshape(o.shape))
+            if adjust_lr == "original":
+                orth.append(o2.reshape(o.shape))  # O's norm, kept by the authors' code
             new_nu.append(v.reshape(o.shape[: 1 + k]))
         if adjust_lr == "match_rms_adamw":  # η̂ = 0.2·√(AB)/‖Ô‖: RMS 0.2, as AdamW's
             scales = [0.2 * math.sqrt(full[0] * math.prod(full[1:])) / (norm + eps)
@@ -250,8 +251,9 @@ def normuon_adamw(
     normuon(...), "adamw": adamw(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay)},
     labels)`, routed by `muon_labels` (embeddings, output head, norms, biases → AdamW).
 
-    `eps` and `adjust_lr` are NorMuon's; `mu_dtype` stores NorMuon's momentum and AdamW's m, `nu_dtype`
-    AdamW's v (NorMuon's per-row v stays float32), rounded as `rounding` says (see `adam`).
+    `eps` and `adjust_lr` are NorMuon's; `mu_dtype` stores NorMuon's momentum and AdamW's m,
+    `nu_dtype` AdamW's v (NorMuon's per-row v stays float32), rounded as `rounding` says (see
+    `adam`).
 
     Example:
         >>> import torch, purestep.core as ps

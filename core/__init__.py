@@ -49,8 +49,8 @@ from ._optimizers import lamb as lamb
 from ._optimizers import lars as lars
 from ._optimizers import lion as lion
 from ._optimizers import sgd as sgd
-from ._optimizers import muon as muon
-from ._optimizers import muon_adamw as muon_adamw
+from ._muon import muon as muon
+from ._muon import muon_adamw as muon_adamw
 from ._optimizers import schedule_free_adamw as schedule_free_adamw
 from ._optimizers import sophia as sophia
 from ._muon import ScaleByMuonState as ScaleByMuonState
@@ -83,6 +83,20 @@ from ._mup import mup_sgd as mup_sgd
 from ._sophia import ScaleBySophiaState as ScaleBySophiaState
 from ._sophia import gnb_hessian as gnb_hessian
 from ._sophia import scale_by_sophia as scale_by_sophia
+from ._adopt import ScaleByAdoptState as ScaleByAdoptState
+from ._adopt import adopt as adopt
+from ._adopt import scale_by_adopt as scale_by_adopt
+from ._prodigy import ProdigyState as ProdigyState
+from ._prodigy import prodigy as prodigy
+from ._mars import ScaleByMarsState as ScaleByMarsState
+from ._mars import mars as mars
+from ._mars import scale_by_mars as scale_by_mars
+from ._laprop import DecayAfterState as DecayAfterState
+from ._laprop import ScaleByLapropState as ScaleByLapropState
+from ._laprop import laprop as laprop
+from ._laprop import scale_by_laprop as scale_by_laprop
+from ._adamc import AdamcState as AdamcState
+from ._adamc import adamc as adamc
 from ._step import functional_ensemble as functional_ensemble
 from ._step import functional_model as functional_model
 from ._step import make_step as make_step
@@ -251,6 +265,21 @@ __all__ = [
     "mup_lr_multipliers",
     "mup_adamw",
     "mup_sgd",
+    # fourth release: ADOPT, Prodigy, MARS, LaProp, AdamC
+    "adopt",
+    "scale_by_adopt",
+    "ScaleByAdoptState",
+    "prodigy",
+    "ProdigyState",
+    "mars",
+    "scale_by_mars",
+    "ScaleByMarsState",
+    "laprop",
+    "scale_by_laprop",
+    "ScaleByLapropState",
+    "DecayAfterState",
+    "adamc",
+    "AdamcState",
     # the step function
     "make_step",
     "make_update",

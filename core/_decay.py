@@ -36,13 +36,16 @@ class AddDecayedWeightsState(NamedTuple):
     count: Tensor  # (), int64: the schedule's step
 
 
-def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0, mask: Any = None) -> Transform:
+def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0, mask: Any = None, *, cautious: bool = False) -> Transform:
     """`u ← u + λ·p`, before lr scaling (as optax): decoupled decay when it follows the
     preconditioner, L2 regularisation when it comes first.
 
     Args:
       weight_decay: λ, a float, a 0-d tensor or a schedule.
       mask: decay only where True: a bool pytree like params, or `callable(params)`.
+      cautious: cautious weight decay (Chen et al. 2025): `u ← u + λ·𝟙[sign u = sign p]·p`,
+        the decay only where the incoming direction u already moves p toward 0 (the step
+        is -η·u), so decay never fights the optimizer.
 
     Example:
         >>> import torch, purestep.core as ps
@@ -53,6 +56,8 @@ def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0, mask: Any = None) 
     """
     check_hyperparam("weight_decay", weight_decay)
     check_nonnegative("weight_decay", weight_decay)
+    if not isinstance(cautious, bool):
+        raise ValueError(f"cautious must be True or False, got {cautious!r}")
 
     def init(params: Params) -> EmptyState | AddDecayedWeightsState:
         if callable(weight_decay):
@@ -70,9 +75,12 @@ def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0, mask: Any = None) 
         ps_ = tr.check_match(params, grads, "params", "grads", dtype=False)
         us, spec = pytree.tree_flatten(grads)
         _, wd, state = affine(state)
+        if cautious:  # λ·p only where sign(u) = sign(p)
+            ps_ = [torch.where(torch.sign(u) == torch.sign(p), p, torch.zeros_like(p)) for u, p in zip(us, ps_)]
         return pytree.tree_unflatten(ls.cast_like(ls.axpy(wd, ps_, us), us), spec), state
 
-    t = Transform(init, with_in_place(update, affine=affine))
+    # The cautious decay is not affine in (u, p): no in-place form then.
+    t = Transform(init, update if cautious else with_in_place(update, affine=affine))
     return t if mask is None else masked(t, mask)
 
 

@@ -99,6 +99,27 @@ def global_norm(tree: Any) -> Tensor:
     return torch.sqrt(shard.all_reduce(total))
 
 
+def global_sums(tree: Any, *lists: Sequence[Tensor]) -> list[Tensor]:
+    """Σ of every element of each list of values shaped like `tree`'s leaves, a 0-d tensor
+    per list accumulated in float32 at least (float64 where a value is). Elementwise over
+    the tree, so flat buffers need no regrouping; over shards, the sums of the whole
+    leaves (replicated leaves counted once), all lists in one collective."""
+    every = [x for xs in lists for x in xs]
+    acc = torch.float64 if any(x.dtype == torch.float64 for x in every) else torch.float32
+    shard = _shard(tree)
+    weights = shard.group_weights(tree.pack_spec) if shard is not None else None
+    parts = []
+    for xs in lists:
+        sums = [torch.sum(x, dtype=acc) for x in xs]
+        if weights is not None:  # a buffer of replicated leaves is counted on rank 0 only
+            sums = [s * w for s, w in zip(sums, weights)]
+        parts.append(torch.stack(sums).sum() if sums else torch.zeros((), dtype=acc))
+    total = torch.stack(parts)
+    if shard is not None:
+        total = shard.all_reduce(total)
+    return list(total.unbind(0))
+
+
 def all_finite(tree: Any, xs: Sequence[Tensor]) -> Tensor:
     """A 0-d bool: every element of `xs` is finite on every rank (`tree` says the layout)."""
     shard = _shard(tree)

@@ -1,7 +1,5 @@
-"""Muon: momentum, then Newton-Schulz (or Polar Express) orthogonalization of each matrix.
-
-The update rule is written once, on `muon` in `_optimizers.py`.
-"""
+"""Muon: momentum, then Newton-Schulz (or Polar Express) orthogonalization of each matrix
+(the block, the routing of leaves, and the aliases `muon` and `muon_adamw`)."""
 
 from __future__ import annotations
 
@@ -29,7 +27,10 @@ from ._base import (
     resolve,
     zero_count,
 )
+from ._combine import chain, partition
 from ._decay import param_kind
+from ._optimizers import _decay, adamw
+from ._scaling import scale_by_lr
 
 # torch.optim.Muon's quintic Newton-Schulz coefficients (from Keller Jordan's Muon), used every iteration.
 NS5_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -307,3 +308,129 @@ def muon_labels(params: Params) -> PyTree:
         Jordan et al., Muon: An optimizer for hidden layers in neural networks, 2024.
     """
     return tr.tree_map_with_path(lambda path, x: "muon" if param_kind(path, x) == "matrix" else "adamw", params)
+
+
+# --------------------------------------------------------------------------- #
+# The aliases.
+# --------------------------------------------------------------------------- #
+
+
+def muon(
+    lr: ScalarOrSchedule = 0.02,
+    momentum: ScalarOrSchedule = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    weight_decay: ScalarOrSchedule = 0.0,
+    adjust_lr: str = "original",
+    ns_dtype: torch.dtype = torch.bfloat16,
+    ns_coefficients: Coefficients = NS5_COEFFICIENTS,
+    *,
+    eps: float = 1e-7,
+    emulate_bf16: bool | None = None,
+    mu_dtype: torch.dtype | None = None,
+    rounding: str = "stochastic",
+) -> Transform:
+    """Muon, = `torch.optim.Muon`: momentum orthogonalized by Newton-Schulz, for matrices.
+
+    m ← μ·m + (1-μ)·g;  m̃ = (1-μ)·g + μ·m with nesterov, else m;
+    O = NSₖ(m̃ / max(‖m̃‖_F, ε));  p ← p - η·(s(A, B)·O + λ·p),
+    with η = `lr`, μ = `momentum`, λ = `weight_decay`, k = `ns_steps`; each NS iteration is
+    X ← a·X + (b·XXᵀ + c·(XXᵀ)²)·X in `ns_dtype` with (a, b, c) from `ns_coefficients`;
+    s(A, B) = max(1, A/B)^½ (`adjust_lr="original"`, Keller Jordan) or 0.2·max(A, B)^½
+    (`"match_rms_adamw"`, Moonlight) for a leaf seen as an A × B matrix.
+
+    Args:
+      ns_dtype: the dtype of the Newton-Schulz iterations.
+      ns_coefficients: (a, b, c) for every iteration (default torch.optim.Muon's NS5),
+        a sequence of (a, b, c) per iteration, or "polar_express" (Amsel et al. 2025).
+      emulate_bf16: bf16 iterations as float32 matmuls rounded to bf16 (True), real bf16
+        matmuls (False), or emulated only on CPUs without bf16 matmul units (None); the
+        emulation is not bit-identical, see `scale_by_muon`.
+      mu_dtype, rounding: how m is stored; see `adam`.
+
+    Warning:
+        Defaults differ from `torch.optim.Muon` (lr=1e-3, weight_decay=0.1): lr=0.02 is Keller
+        Jordan's. Leaves with more than 2 dims (conv filters) are orthogonalized as
+        shape[0] × prod(rest) matrices (torch refuses them); 0-D/1-D leaves raise — use `muon_adamw`.
+
+    Example:
+        >>> import torch, purestep.core as ps
+        >>> opt = ps.muon(lr=0.1, ns_dtype=torch.float32)
+        >>> params = {"w": torch.zeros(2, 2)}
+        >>> updates, _ = opt.update({"w": torch.eye(2)}, opt.init(params), params)
+        >>> bool(updates["w"].diag().lt(-0.05).all())
+        True
+
+    References:
+        Jordan et al., Muon: An optimizer for hidden layers in neural networks, 2024;
+        Liu et al., Muon is Scalable for LLM Training, 2025;
+        Amsel et al., The Polar Express: Optimal Matrix Sign Methods and Their Application to the Muon Algorithm, 2025.
+    """
+    block = scale_by_muon(
+        momentum, nesterov, ns_steps, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, adjust_lr=adjust_lr, eps=eps,
+        emulate_bf16=emulate_bf16,
+        mu_dtype=mu_dtype, rounding=rounding,
+    )
+    return chain(block, _decay(weight_decay), scale_by_lr(lr))
+
+
+def muon_adamw(
+    lr: ScalarOrSchedule = 0.02,
+    momentum: ScalarOrSchedule = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    weight_decay: ScalarOrSchedule = 0.01,
+    adjust_lr: str = "original",
+    ns_dtype: torch.dtype = torch.bfloat16,
+    ns_coefficients: Coefficients = NS5_COEFFICIENTS,
+    *,
+    adamw_lr: ScalarOrSchedule = 3e-4,
+    adamw_betas: tuple[ScalarOrSchedule, ScalarOrSchedule] = (0.9, 0.95),
+    adamw_eps: float = 1e-10,
+    adamw_weight_decay: ScalarOrSchedule = 0.01,
+    labels: Any = muon_labels,
+    emulate_bf16: bool | None = None,
+    mu_dtype: torch.dtype | None = None,
+    nu_dtype: torch.dtype | None = None,
+    rounding: str = "stochastic",
+) -> Transform:
+    """Keller Jordan's hybrid: `muon` for hidden matrices, `adamw` for everything else.
+
+    `partition({"muon": muon(lr, ..., weight_decay), "adamw": adamw(adamw_lr, adamw_betas,
+    adamw_eps, adamw_weight_decay)}, labels)`; see `muon` and `adamw` for the rules and
+    `muon_labels` for the default routing (embeddings, output head, norms, biases → AdamW).
+
+    Args:
+      lr, weight_decay: Muon's side. Defaults lr=0.02, weight_decay=0.01: the
+        `MuonWithAuxAdam` recipe of the KellerJordan/Muon README.
+      adamw_lr, adamw_betas, adamw_weight_decay: AdamW's side. Defaults 3e-4, (0.9, 0.95),
+        0.01: the same README recipe.
+      adamw_eps: 1e-10, the eps of KellerJordan/Muon's `adam_update`.
+      labels: "muon"/"adamw" per leaf, a str pytree or `callable(params)`.
+      emulate_bf16: Muon's bf16 emulation switch, see `muon`.
+      mu_dtype, nu_dtype, rounding: how the momenta are stored (see `adam`): `mu_dtype` for
+        Muon's momentum and AdamW's m, `nu_dtype` for AdamW's v.
+
+    Example:
+        >>> import torch, purestep.core as ps
+        >>> opt = ps.muon_adamw()
+        >>> params = {"h.0.weight": torch.zeros(4, 4), "h.0.bias": torch.zeros(4)}
+        >>> state = opt.init(params)
+        >>> sorted(state.inner_states["muon"][0].mu)
+        ['h.0.weight']
+
+    References:
+        Jordan et al., Muon: An optimizer for hidden layers in neural networks, 2024
+        (github.com/KellerJordan/Muon, README "MuonWithAuxAdam").
+    """
+    return partition(
+        {
+            "muon": muon(
+                lr, momentum, nesterov, ns_steps, weight_decay, adjust_lr, ns_dtype, ns_coefficients,
+                emulate_bf16=emulate_bf16, mu_dtype=mu_dtype, rounding=rounding,
+            ),
+            "adamw": adamw(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay,
+                           mu_dtype=mu_dtype, nu_dtype=nu_dtype, rounding=rounding),
+        },
+        labels,
+    )

@@ -33,6 +33,11 @@ INJECTED = {
     "cautious_adamw": dict(lr=1e-2, weight_decay=0.1),
     "mup_adamw": dict(lr=1e-2, weight_decay=0.1, base_shapes=_half_width),
     "mup_sgd": dict(lr=0.1, momentum=0.9, weight_decay=0.01, base_shapes=_half_width),
+    "adopt": dict(lr=1e-2, b2=0.999, weight_decay=0.1),
+    "prodigy": dict(lr=1.0, d0=1e-3, weight_decay=0.1),
+    "mars": dict(lr=1e-2, gamma=0.05, weight_decay=0.1),
+    "laprop": dict(lr=1e-2, weight_decay=0.1),
+    "adamc": dict(lr=1e-2, weight_decay=0.1),
 }
 
 

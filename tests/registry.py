@@ -115,6 +115,18 @@ TRANSFORMS: dict[str, Case] = {
              scale_invariant=True, reference=_mup_reference("MuAdamW", lr=1e-2, weight_decay=0.1)),
         Case("mup_sgd", lambda: ps.mup_sgd(0.1, momentum=0.9, weight_decay=0.01, base_shapes=_half_width),
              reference=_mup_reference("MuSGD", lr=0.1, momentum=0.9, weight_decay=0.01)),
+        Case("adopt", lambda: ps.adopt(1e-2, weight_decay=0.1), decoupled_decay=True, scale_invariant=True),
+        Case("scale_by_adopt", lambda: ps.scale_by_adopt(b1=0.5), needs_params=False),
+        Case("prodigy", lambda: ps.prodigy(weight_decay=0.1, d0=1e-3)),
+        Case("mars", lambda: ps.mars(1e-2, weight_decay=0.1), decoupled_decay=True),
+        Case("scale_by_mars", lambda: ps.scale_by_mars(gamma=0.1), needs_params=False),
+        Case("laprop", lambda: ps.laprop(lambda t: 1e-2 / (1.0 + t), weight_decay=0.1), scale_invariant=True),
+        Case("scale_by_laprop", lambda: ps.scale_by_laprop(lambda t: 1.0 + t), needs_params=False, scale_invariant=True),
+        Case("adamc", lambda: ps.adamc(1e-2, weight_decay=0.1), decoupled_decay=True, scale_invariant=True),
+        Case("adamw(cautious_weight_decay)", lambda: ps.adamw(1e-2, weight_decay=0.1, cautious_weight_decay=True),
+             scale_invariant=True),
+        Case("lion(cautious_weight_decay)", lambda: ps.lion(1e-2, weight_decay=0.1, cautious_weight_decay=True),
+             sign_based=True, update_bound=1e-2),
     ]
 }
 
@@ -163,4 +175,5 @@ NOT_TRANSFORMS = {
     "make_step", "make_update", "functional_model", "functional_ensemble",
     "stochastic_round", "quantize_blockwise", "dequantize_blockwise", "QuantizedTensor", "CompensatedUpdatesState",
     "ScaleByAdemamixState", "mup_lr_multipliers",
+    "ScaleByAdoptState", "ProdigyState", "ScaleByMarsState", "ScaleByLapropState", "DecayAfterState", "AdamcState",
 }

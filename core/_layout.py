@@ -178,14 +178,18 @@ def leaf_sums(tree: Any, xs: Sequence[Tensor]) -> list[Tensor]:
     return out
 
 
-def map_matrices(tree: Any, fn: Callable[[list[Tensor], list[bool]], list[Tensor]], xs: Sequence[Tensor]) -> list[Tensor]:
-    """`fn(leaves, stacked) -> results` (same shapes) on whole matrices.
+def map_matrices(
+    tree: Any, fn: Callable[[list[Tensor], list[int]], list[Tensor]], xs: Sequence[Tensor], *, batch_dims: Sequence[int] | None = None
+) -> list[Tensor]:
+    """`fn(leaves, lead) -> results` (same shapes) on whole leaves.
 
-    `xs` are values shaped like `tree`'s leaves. `fn` is called with whole leaves, a stack
-    marked in `stacked` being k of them; over FSDP2 shards, each rank calls it once with the
-    whole matrices it owns (owners balanced by cost, see `_sharded`), and gets back its
-    rows of every result."""
+    `xs` are values shaped like `tree`'s leaves. `fn` is called with whole leaves and, per
+    leaf, how many leading dims index separate matrices: 1 for a (k, *shape) stack, plus
+    the leaf's `batch_dims` (one int per leaf of `tree`, default 0). Over FSDP2 shards,
+    each rank calls it once with the whole leaves it owns (owners balanced by cost, see
+    `_sharded`), and gets back its rows of every result."""
+    batch = list(batch_dims) if batch_dims is not None else [0] * len(xs)
     shard = _shard(tree)
     if shard is None:
-        return fn(list(xs), stacked(tree))
-    return shard.map_matrices(tree.pack_spec, fn, list(xs))
+        return fn(list(xs), [int(k) + b for k, b in zip(stacked(tree), batch)])
+    return shard.map_matrices(tree.pack_spec, fn, list(xs), batch)

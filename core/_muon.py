@@ -130,20 +130,22 @@ def orthogonalize_leaves(
     eps: float,
     dtype: torch.dtype,
     emulate_bf16: bool | None = None,
-    stacked: list[bool] | None = None,
+    lead: Sequence[int] | None = None,
 ) -> list[Tensor]:
-    """Each leaf (≥ 2-D, seen as shape[0] × prod(rest)) orthogonalized; a leaf marked in
-    `stacked` is k such matrices, (k, *shape) (see `_layout.stacked`). Matrices of one
-    shape (or its transpose) share one batched matmul per iteration; results come back in
-    each leaf's shape and dtype. `emulate_bf16` as `scale_by_muon`'s (None: on CPUs without
-    bf16 matmul units)."""
-    stacked = stacked or [False] * len(xs)
+    """Each leaf orthogonalized as matrices: a leaf of shape (*B, A, *rest) with `lead[i]` =
+    len(B) leading dims is prod(B) matrices of A × prod(rest) (0: one matrix; a (k, *shape)
+    stack of `_layout.stacked` has one more, `batch_dims` more still). Matrices of one shape
+    (or its transpose) share one batched matmul per iteration; results come back in each
+    leaf's shape and dtype. `emulate_bf16` as `scale_by_muon`'s (None: on CPUs without bf16
+    matmul units)."""
+    lead = lead or [0] * len(xs)
     mats: list[Tensor] = []  # each (k, rows, cols) with rows <= cols
     flipped: list[bool] = []
     groups: dict[tuple, list[int]] = {}
-    for i, (x, is_stack) in enumerate(zip(xs, stacked)):
+    for i, (x, b) in enumerate(zip(xs, lead)):
+        b = int(b)
         # Explicit sizes, not -1: an empty block of rows (a rank's share of a short matrix) reshapes too.
-        m = x.reshape(x.shape[0], x.shape[1], math.prod(x.shape[2:])) if is_stack else x.reshape(1, x.shape[0], math.prod(x.shape[1:]))
+        m = x.reshape(math.prod(x.shape[:b]), x.shape[b], math.prod(x.shape[b + 1 :]))
         flipped.append(m.shape[1] > m.shape[2])
         mats.append(m.mT if flipped[-1] else m)
         groups.setdefault((tuple(mats[-1].shape[1:]), m.device), []).append(i)
@@ -160,6 +162,37 @@ def orthogonalize_leaves(
             o = o.mT if flipped[i] else o
             out[i] = o.reshape(xs[i].shape).to(xs[i].dtype)
     return out  # type: ignore[return-value]
+
+
+def leaf_batch_dims(tree: PyTree, batch_dims: Any, rule: Any) -> list[int]:
+    """Per leaf of `tree` (flatten order): how many leading dims index separate matrices,
+    from `batch_dims` (an int, a tree of ints like the params, or `(path, leaf) -> int`);
+    on flat buffers one value per buffer (`rule`, this transform's own object, keys the
+    lookup), the planner splitting buffers whose leaves differ."""
+
+    def per_leaf(whole: PyTree) -> list[int]:
+        pairs = tr.tree_flatten_with_path(whole)[0]
+        if callable(batch_dims):
+            values = [batch_dims(path, x) for path, x in pairs]
+        elif isinstance(batch_dims, int):
+            values = [batch_dims] * len(pairs)
+        else:
+            flat, spec = pytree.tree_flatten(batch_dims)
+            if spec != pytree.tree_structure(whole):
+                raise ValueError(f"batch_dims must be an int, a callable (path, leaf) -> int or a tree of ints shaped "
+                                 f"like the params; got a tree of {len(flat)} leaves for {len(pairs)} params")
+            values = flat
+        for (path, x), b in zip(pairs, values):
+            if isinstance(b, bool) or not isinstance(b, int) or b < 0 or x.dim() - b < 2:
+                raise ValueError(
+                    f"batch_dims of leaf '{path}' (shape {tuple(x.shape)}) is {b!r}: it must be an int >= 0 that "
+                    "leaves a matrix (at least 2 dims) after the batch dims"
+                )
+        return [int(b) for b in values]
+
+    if lay.is_packed(tree):
+        return lay.rule_per_group(tree, rule, per_leaf)
+    return per_leaf(tree)
 
 
 def _lr_ratio(shape: torch.Size, adjust_lr: str) -> float:
@@ -194,6 +227,13 @@ def check_muon_args(ns_steps: int, ns_coefficients: Coefficients, ns_dtype: Any,
 # --------------------------------------------------------------------------- #
 
 
+class _BatchDims:
+    """A transform's `batch_dims`, as the key of its per-buffer lookup (`leaf_batch_dims`)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
 class ScaleByMuonState(NamedTuple):
     """State of `scale_by_muon`: the momentum buffer."""
 
@@ -211,6 +251,7 @@ def scale_by_muon(
     adjust_lr: str = "original",
     eps: float = 1e-7,
     emulate_bf16: bool | None = None,
+    batch_dims: Any = 0,
     mu_dtype: torch.dtype | None = None,
     rounding: str = "stochastic",
 ) -> Transform:
@@ -218,10 +259,16 @@ def scale_by_muon(
     for `mu_dtype` and `rounding`.
 
     Every leaf must have >= 2 dims; a leaf of shape (A, ...) is orthogonalized as an
-    A × prod(rest) matrix, and matrices of one shape (or its transpose) are stacked into
-    one batched matmul per iteration.
+    A × prod(rest) matrix (with `batch_dims` b, a leaf (*B, A, ...) of len(B) = b is prod(B)
+    such matrices), and matrices of one shape (or its transpose) are stacked into one
+    batched matmul per iteration.
 
     Args:
+      batch_dims: how many leading dims of a leaf index separate matrices: an int, a tree of
+        ints like the params, or `(path, leaf) -> int`. Expert weights (E, m, n) with 1 are E
+        m × n matrices, each orthogonalized and scaled (s(m, n)) on its own, as optax's
+        `MuonDimensionNumbers`; 0 (the default) makes a leaf of more than 2 dims one matrix
+        (shape[0], prod(rest)), as conv filters want.
       emulate_bf16: with `ns_dtype=torch.bfloat16`, run the iterations as float32 matmuls
         with every result rounded to bf16 (True), as real bf16 matmuls (False), or emulate
         only on a CPU without bf16 matmul units, no AVX512-BF16 or AMX (None, the default).
@@ -253,14 +300,18 @@ def scale_by_muon(
             f"emulate_bf16 must be True, False or None (only where bf16 matmuls are slow), got {emulate_bf16!r}"
         )
 
+    rule = _BatchDims(batch_dims)
+
     def init(params: Params) -> ScaleByMuonState:
         lay.whole_leaves(params, stacks=True)  # per-matrix math: same-shape matrices stacked
         _check_matrices(params, "params")
+        leaf_batch_dims(params, batch_dims, rule)  # refused now, not at the first update
         leaves = pytree.tree_leaves(params)
         return ScaleByMuonState(zero_count(leaf_device(leaves)), lp.init_moments(params, mu_dtype))
 
     def update(grads, state, params=None, **extra):
         _check_matrices(grads, "grads")
+        batch = leaf_batch_dims(grads, batch_dims, rule)
         gs, wide, mu = lp.load_moments(grads, state.mu, params)
         spec = pytree.tree_structure(grads)
         beta = resolve(momentum, state.count)
@@ -269,12 +320,12 @@ def scale_by_muon(
         # m̃ = (1-β)·g + β·m with nesterov, else m
         src = ls.cast_like(ls.ema(wide, mu, 1.0 - beta), wide) if nesterov else mu
 
-        def scaled_orthogonal(mats: list[Tensor], stacked: list[bool]) -> list[Tensor]:
+        def scaled_orthogonal(mats: list[Tensor], lead: list[int]) -> list[Tensor]:
             # On whole matrices (over FSDP2 shards: once, on each matrix's owner rank).
-            ortho = orthogonalize_leaves(mats, coefficients, safety, eps, ns_dtype, emulate_bf16, stacked)
-            return [o * _lr_ratio(o.shape[1:] if k else o.shape, adjust_lr) for o, k in zip(ortho, stacked)]
+            ortho = orthogonalize_leaves(mats, coefficients, safety, eps, ns_dtype, emulate_bf16, lead)
+            return [o * _lr_ratio(o.shape[b:], adjust_lr) for o, b in zip(ortho, lead)]
 
-        out = ls.cast_like(lay.map_matrices(grads, scaled_orthogonal, src), gs)
+        out = ls.cast_like(lay.map_matrices(grads, scaled_orthogonal, src, batch_dims=batch), gs)
         stored = lp.store_moments(mu, state.mu, lp.moment_keys(state.count, rounding, state.mu))
         return pytree.tree_unflatten(out, spec), ScaleByMuonState(state.count + 1, stored)
 
@@ -327,6 +378,8 @@ def muon(
     *,
     eps: float = 1e-7,
     emulate_bf16: bool | None = None,
+    batch_dims: Any = 0,
+    cautious_weight_decay: bool = False,
     mu_dtype: torch.dtype | None = None,
     rounding: str = "stochastic",
 ) -> Transform:
@@ -346,6 +399,10 @@ def muon(
       emulate_bf16: bf16 iterations as float32 matmuls rounded to bf16 (True), real bf16
         matmuls (False), or emulated only on CPUs without bf16 matmul units (None); the
         emulation is not bit-identical, see `scale_by_muon`.
+      batch_dims: leading dims that index separate matrices (an int, a tree of ints or
+        `(path, leaf) -> int`): expert weights (E, m, n) with 1 are E m × n matrices, each
+        orthogonalized and scaled as m × n. See `scale_by_muon`.
+      cautious_weight_decay: decay only where sign(O) = sign(p) (Chen et al. 2025); see `adamw`.
       mu_dtype, rounding: how m is stored; see `adam`.
 
     Warning:
@@ -368,10 +425,9 @@ def muon(
     """
     block = scale_by_muon(
         momentum, nesterov, ns_steps, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, adjust_lr=adjust_lr, eps=eps,
-        emulate_bf16=emulate_bf16,
-        mu_dtype=mu_dtype, rounding=rounding,
+        emulate_bf16=emulate_bf16, batch_dims=batch_dims, mu_dtype=mu_dtype, rounding=rounding,
     )
-    return chain(block, _decay(weight_decay), scale_by_lr(lr))
+    return chain(block, _decay(weight_decay, cautious=cautious_weight_decay), scale_by_lr(lr))
 
 
 def muon_adamw(
@@ -390,6 +446,8 @@ def muon_adamw(
     adamw_weight_decay: ScalarOrSchedule = 0.01,
     labels: Any = muon_labels,
     emulate_bf16: bool | None = None,
+    batch_dims: Any = 0,
+    cautious_weight_decay: bool = False,
     mu_dtype: torch.dtype | None = None,
     nu_dtype: torch.dtype | None = None,
     rounding: str = "stochastic",
@@ -408,6 +466,9 @@ def muon_adamw(
       adamw_eps: 1e-10, the eps of KellerJordan/Muon's `adam_update`.
       labels: "muon"/"adamw" per leaf, a str pytree or `callable(params)`.
       emulate_bf16: Muon's bf16 emulation switch, see `muon`.
+      batch_dims: Muon's, see `muon` (an int, a tree of ints or `(path, leaf) -> int`; a
+        tree or callable is read on the leaves Muon takes).
+      cautious_weight_decay: cautious decay on both sides (Chen et al. 2025); see `adamw`.
       mu_dtype, nu_dtype, rounding: how the momenta are stored (see `adam`): `mu_dtype` for
         Muon's momentum and AdamW's m, `nu_dtype` for AdamW's v.
 
@@ -427,9 +488,10 @@ def muon_adamw(
         {
             "muon": muon(
                 lr, momentum, nesterov, ns_steps, weight_decay, adjust_lr, ns_dtype, ns_coefficients,
-                emulate_bf16=emulate_bf16, mu_dtype=mu_dtype, rounding=rounding,
+                emulate_bf16=emulate_bf16, batch_dims=batch_dims, cautious_weight_decay=cautious_weight_decay,
+                mu_dtype=mu_dtype, rounding=rounding,
             ),
-            "adamw": adamw(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay,
+            "adamw": adamw(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay, cautious_weight_decay=cautious_weight_decay,
                            mu_dtype=mu_dtype, nu_dtype=nu_dtype, rounding=rounding),
         },
         labels,

@@ -132,9 +132,9 @@ def scale_by_normuon(
         src = ls.cast_like(ls.ema(wide, mu, 1.0 - beta), wide) if nesterov else mu  # m̃ = (1-β)·g + β·m
         stacked = lay.stacked(grads)
 
-        def orthogonal(mats: list[Tensor], flags: list[bool]) -> list[Tensor]:
+        def orthogonal(mats: list[Tensor], lead: list[int]) -> list[Tensor]:
             # On whole matrices (over FSDP2 shards: once, on each matrix's owner rank).
-            return orthogonalize_leaves(mats, coefficients, safety, _NS_EPS, ns_dtype, emulate_bf16, flags)
+            return orthogonalize_leaves(mats, coefficients, safety, _NS_EPS, ns_dtype, emulate_bf16, lead)
 
         # Everything after the orthogonalization is per row, but the norm: on FSDP2 shards
         # each rank normalizes its rows and `leaf_norms` sums the squares across ranks.

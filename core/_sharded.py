@@ -177,27 +177,30 @@ class ShardInfo:
             self._owners[indices] = owner
         return self._owners[indices]
 
-    def map_matrices(self, spec: PackSpec, fn: Callable, xs: list[Tensor]) -> list[Tensor]:
-        """`_layout.map_matrices` over shards: owner-computes (see the module docstring)."""
+    def map_matrices(self, spec: PackSpec, fn: Callable, xs: list[Tensor], batch: list[int]) -> list[Tensor]:
+        """`_layout.map_matrices` over shards: owner-computes (see the module docstring);
+        `batch`: the leading batch dims of each group's leaves."""
         blocks: dict[int, Tensor] = {}  # leaf index -> this rank's block
-        for g, x in zip(spec.groups, xs):
+        lead: dict[int, int] = {}  # leaf index -> its batch dims (stacks are unbound here)
+        for g, x, b in zip(spec.groups, xs, batch):
             members = g.members
             parts = list(x.unbind(0)) if g.is_stack else [x]
             blocks.update((m.index, p) for m, p in zip(members, parts))
+            lead.update((m.index, b) for m in members)
         sharded = tuple(sorted(i for i in blocks if self.slices[i].sharded))
         results: dict[int, Tensor] = {}
         replicated = [i for i in sorted(blocks) if not self.slices[i].sharded]
         if replicated:  # every rank holds these whole: computed where they are
-            results.update(zip(replicated, fn([blocks[i] for i in replicated], [False] * len(replicated))))
+            results.update(zip(replicated, fn([blocks[i] for i in replicated], [lead[i] for i in replicated])))
         if sharded:
-            results.update(self._owner_computes(sharded, blocks, fn))
+            results.update(self._owner_computes(sharded, blocks, fn, lead))
         out = []
         for g, x in zip(spec.groups, xs):
             parts = [results[m.index].reshape(blocks[m.index].shape) for m in g.members]
             out.append(torch.stack(parts) if g.is_stack else parts[0])
         return out
 
-    def _owner_computes(self, indices: tuple[int, ...], blocks: dict[int, Tensor], fn: Callable) -> dict[int, Tensor]:
+    def _owner_computes(self, indices: tuple[int, ...], blocks: dict[int, Tensor], fn: Callable, lead: dict[int, int]) -> dict[int, Tensor]:
         owner, me, world = self.owners(indices), self.rank, self.world
         mine = [i for i in indices if owner[i] == me]
         dtype = blocks[indices[0]].dtype
@@ -212,7 +215,7 @@ class ShardInfo:
         for k, i in enumerate(mine):  # rank s's rows of matrix i sit at s·len(mine) + k
             rows = [pieces[s * len(mine) + k].view(sl[i].counts[s], *sl[i].shape[1:]) for s in range(world)]
             whole.append(torch.cat(rows) if len(rows) > 1 else rows[0])
-        done = fn(whole, [False] * len(whole)) if whole else []
+        done = fn(whole, [lead[i] for i in mine]) if whole else []
         # Results back: to rank d, its rows of every matrix I own.
         back = [o[sl[i].starts[d] : sl[i].starts[d] + sl[i].counts[d]].reshape(-1) for d in range(world) for i, o in zip(mine, done)]
         in_splits = [sum(sl[i].counts[d] * sl[i].row_numel for i in mine) for d in range(world)]

@@ -26,8 +26,15 @@ CASES = {
     "lamb": lambda: ps.apply_if_finite(ps.lamb(0.02, weight_decay=0.1)),
     "adaptive_clip": lambda: ps.apply_if_finite(ps.chain(ps.adaptive_clip(0.05), ps.sgd(0.1, momentum=0.9))),
     "cautious_adamw": lambda: ps.apply_if_finite(ps.cautious_adamw(0.02, weight_decay=0.1)),  # per-leaf counts
+    # d-estimate: two tree-wide sums (⟨g, x₀ - x⟩, ‖s‖₁) over the shards
+    "prodigy": lambda: ps.apply_if_finite(ps.prodigy(d0=1e-3, weight_decay=0.1)),
+    "mars": lambda: ps.apply_if_finite(ps.mars(0.02, weight_decay=0.1)),  # a norm per leaf
+    "adopt/laprop/adamc": lambda: ps.apply_if_finite(ps.partition(
+        {"a": ps.adopt(0.02, weight_decay=0.1), "l": ps.laprop(0.02, weight_decay=0.1),
+         "c": ps.adamc(lambda t: 0.02 / (1 + t), weight_decay=0.1)},
+        lambda p: {k: "alc"[i % 3] for i, k in enumerate(p)})),
 }
-COMPILED = ("adamw+clip+skip", "muon_adamw", "normuon_adamw")  # compile costs seconds per case
+COMPILED = ("adamw+clip+skip", "muon_adamw", "normuon_adamw", "prodigy")  # compile costs seconds per case
 
 
 def model() -> torch.nn.Module:

@@ -375,3 +375,30 @@ def test_a_config_stays_data_and_its_optimizer_is_checked_where_it_is_read_or_us
         apply_overrides(TrainConfig(), ["optimizer.name=nope"])
     with pytest.raises(ConfigError, match="optimizer.name"):
         Trainer(config=TrainConfig(optimizer=OptimizerConfig(name="nope"), data=DataConfig(max_bytes=100_000)))
+
+
+def test_fourth_release_optimizers_build_from_their_names_and_kwargs():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)).double()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    cases = {
+        "adopt": (["optimizer.kwargs.clip=false"], ps.adopt(1e-2, clip=False)),
+        "prodigy": (["optimizer.kwargs.d0=0.001", "optimizer.kwargs.safeguard_warmup=true"],
+                    ps.prodigy(1e-2, d0=1e-3, safeguard_warmup=True)),
+        "mars": (["optimizer.kwargs.gamma=0.05"], ps.mars(1e-2, gamma=0.05)),
+        "laprop": (["optimizer.kwargs.b1=0.8"], ps.laprop(1e-2, b1=0.8)),
+        "adamc": (["optimizer.kwargs.weight_decay=0.2"], ps.adamc(1e-2, weight_decay=0.2)),
+        "adamw": (["optimizer.kwargs.cautious_weight_decay=true", "optimizer.kwargs.weight_decay=0.5"],
+                  ps.adamw(1e-2, weight_decay=0.5, cautious_weight_decay=True)),
+    }
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    for name, (overrides, theirs) in cases.items():
+        cfg = apply_overrides(TrainConfig(), [f"optimizer.name={name}", "optimizer.lr=0.01", "optimizer.clip_grad_norm=none",
+                                                 "optimizer.kwargs={}", *overrides])
+        ours = cfg.build_optimizer()
+        u1, _ = ours.update(grads, ours.init(params), params)
+        u2, _ = theirs.update(grads, theirs.init(params), params)
+        for k in params:
+            torch.testing.assert_close(u1[k], u2[k], rtol=1e-12, atol=0, msg=f"{name}: {k}")
+    with pytest.raises(ConfigError) as e:
+        apply_overrides(TrainConfig(), ["optimizer.name=mars", "optimizer.kwargs={}", "optimizer.kwargs.gamma=-1"]).build_optimizer()
+    assert e.value.field == "optimizer.kwargs.gamma"

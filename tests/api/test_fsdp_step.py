@@ -2,7 +2,8 @@
 
 Covers AdamW + global-norm clip, Muon and NorMuon (owner-computes; NorMuon with both step
 sizes) with AdamW, LAMB (trust-ratio
-norms), AGC, cautious AdamW (per-leaf counts), `apply_if_finite` skipping on every rank when one rank's grad block holds a
+norms), AGC, cautious AdamW (per-leaf counts), Prodigy (tree-wide sums), MARS (per-leaf
+norms), ADOPT/LaProp/AdamC, `apply_if_finite` skipping on every rank when one rank's grad block holds a
 NaN, uneven blocks and a rank holding an empty one, compiled and eager, and a forward after
 the update (FSDP2 all-gathers the updated params). Resumes across world sizes run through the
 Trainer in tests/api/test_distributed.py.
@@ -29,5 +30,7 @@ def test_sharded_update_on_two_fsdp2_ranks_equals_one_process():
         ["muon_adamw", "compile=False"], ["muon_adamw", "compile=True"],
         ["normuon_adamw", "compile=False"], ["normuon_adamw", "compile=True"],
         ["normuon_original", "compile=False"], ["lamb", "compile=False"], ["adaptive_clip", "compile=False"], ["cautious_adamw", "compile=False"],
+        ["prodigy", "compile=False"], ["prodigy", "compile=True"], ["mars", "compile=False"],
+        ["adopt/laprop/adamc", "compile=False"],
         ["per-leaf-DTensor", "compile=False"],
     ], out.stdout

@@ -597,3 +597,28 @@ def test_ademamix_cautious_and_mup_factories_run_in_the_adapter_as_their_transfo
     model(x).pow(2).mean().backward()
     ademamix.step()
     assert {"exp_avg_fast", "exp_avg_slow", "exp_avg_sq"} <= set(ademamix.state_dict()["state"][0])
+
+
+def test_fourth_release_factories_run_in_the_adapter_as_their_transforms():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)).double()
+    x = torch.randn(16, 4, dtype=torch.float64)
+    for factory, kwargs in [(ps.adopt, dict(lr=1e-2)), (ps.prodigy, dict(lr=1.0, d0=1e-3)), (ps.mars, dict(lr=1e-2)),
+                            (ps.laprop, dict(lr=1e-2, weight_decay=0.1)), (ps.adamc, dict(lr=1e-2, weight_decay=0.1)),
+                            (ps.lion, dict(lr=1e-3, weight_decay=0.5, cautious_weight_decay=True))]:
+        net = copy.deepcopy(model)
+        opt = Optimizer(net.named_parameters(), factory, **kwargs)
+        pure, params = factory(**kwargs), {k: p.detach().clone() for k, p in model.named_parameters()}
+        state = pure.init(params)
+        for _ in range(5):
+            opt.zero_grad()
+            net(x).pow(2).mean().backward()
+            grads = {k: p.grad.clone() for k, p in net.named_parameters()}
+            opt.step()
+            updates, state = pure.update(grads, state, params)
+            params = ps.apply_updates(params, updates)
+        for k, p in net.named_parameters():
+            torch.testing.assert_close(p.detach(), params[k], rtol=1e-10, atol=1e-12, msg=f"{factory.__name__}: {k}")
+        restored = Optimizer(copy.deepcopy(net).named_parameters(), factory, **kwargs)
+        restored.load_state_dict(opt.state_dict())  # the state round-trips (MARS's last grad, Prodigy's x₀ and d)
+        assert restored.state_dict()["state"].keys() == opt.state_dict()["state"].keys()

@@ -277,3 +277,54 @@ def test_decoupled_decay_with_zero_grads_shrinks_params_by_one_minus_lr_wd(kind,
         for k in params:
             torch.testing.assert_close(new[k], params[k] * (1 - lr * w), rtol=1e-14, atol=1e-300)
         params = new
+
+
+# --------------------------------------------------------------------------- #
+# Cautious weight decay (Chen et al. 2025).
+# --------------------------------------------------------------------------- #
+
+
+def _reference_cautious_adamw(params, grads_list, lr, wd, b1=0.9, b2=0.999, eps=1e-8):
+    p = {k: v.clone() for k, v in params.items()}
+    m = {k: torch.zeros_like(v) for k, v in p.items()}
+    v = {k: torch.zeros_like(x) for k, x in p.items()}
+    history = []
+    for t, grads in enumerate(grads_list, start=1):
+        for k, g in grads.items():
+            m[k] = b1 * m[k] + (1 - b1) * g
+            v[k] = b2 * v[k] + (1 - b2) * g * g
+            u = (m[k] / (1 - b1**t)) / ((v[k] / (1 - b2**t)).sqrt() + eps)
+            same = (torch.sign(u) == torch.sign(p[k])).to(p[k].dtype)
+            p[k] = p[k] - lr * (u + wd * same * p[k])
+        history.append({k: x.clone() for k, x in p.items()})
+    return history
+
+
+def test_cautious_weight_decay_on_adamw_matches_the_per_tensor_reference():
+    from tests.core.test_optimizers import assert_histories_close, grad_stream, make_params, run_purestep
+
+    params = make_params()
+    grads = grad_stream(params, steps=30)
+    ours, _ = run_purestep(ps.adamw(1e-2, weight_decay=0.5, cautious_weight_decay=True), params, grads)
+    assert_histories_close(ours, _reference_cautious_adamw(params, grads, 1e-2, 0.5), rtol=1e-10)
+    plain, _ = run_purestep(ps.adamw(1e-2, weight_decay=0.5), params, grads)
+    assert not torch.allclose(plain[-1]["bias"], ours[-1]["bias"])
+
+
+@pytest.mark.parametrize("make", [lambda **kw: ps.lion(1e-2, **kw), lambda **kw: ps.muon(1e-2, ns_dtype=torch.float64, **kw)])
+def test_cautious_weight_decay_decays_only_where_the_direction_has_the_params_sign(make):
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(6, 5, generator=g, dtype=torch.float64)}
+    grads = {"w": torch.randn(6, 5, generator=g, dtype=torch.float64)}
+    without = make(weight_decay=0.0)
+    u0, _ = without.update(grads, without.init(params), params)  # -η·u
+    cautious = make(weight_decay=0.5, cautious_weight_decay=True)
+    u, _ = cautious.update(grads, cautious.init(params), params)
+    same = torch.sign(-u0["w"]) == torch.sign(params["w"])
+    assert 0 < int(same.sum()) < same.numel()
+    torch.testing.assert_close(u["w"], u0["w"] - 1e-2 * 0.5 * params["w"] * same, rtol=1e-12, atol=1e-15)
+
+
+def test_add_decayed_weights_cautious_refuses_a_non_bool():
+    with pytest.raises(ValueError, match="cautious"):
+        ps.add_decayed_weights(0.1, cautious=1)

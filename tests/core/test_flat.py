@@ -300,3 +300,37 @@ def test_flat_muon_on_stacks_matches_the_per_leaf_update(device):
         fast(p, tree(10 + k), s)
     assert_trees_close((p, s), (p_ref, s_ref), rtol=tol, atol=tol)
     assert sorted(len(v) for v in fast.layout().values()) == [3, 3, 3, 5]
+
+
+def test_fourth_release_families_run_compiled_on_flat_buffers_equal_to_eager_without_recompiles():
+    """ADOPT, Prodigy (tree-wide sums), MARS (a norm per leaf: same-shape leaves stacked),
+    LaProp and AdamC in one compiled, donated update, hyperparameters injected and changed."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    shapes = {"w1": (8, 8), "w2": (8, 8), "b": (8,)}
+    names = ("adopt", "prodigy", "mars", "laprop", "adamc")
+    params = {f"{n}.{k}": torch.randn(s, generator=g) for n in names for k, s in shapes.items()}
+    lr = lambda t: 1e-2 * torch.clamp((t + 1) / 3, max=1.0)  # noqa: E731
+    inner = {
+        "adopt": ps.inject_hyperparams(ps.adopt)(lr=lr, weight_decay=0.1),
+        "prodigy": ps.inject_hyperparams(ps.prodigy)(lr=1.0, d0=1e-3, weight_decay=0.1),
+        "mars": ps.inject_hyperparams(ps.mars)(lr=lr, gamma=0.05, weight_decay=0.1),
+        "laprop": ps.inject_hyperparams(ps.laprop)(lr=lr, weight_decay=0.1),
+        "adamc": ps.inject_hyperparams(ps.adamc)(lr=lr, weight_decay=0.1),
+    }
+    opt = ps.partition(inner, lambda p: {k: k.split(".")[0] for k in p})
+    compiled, eager = ps.make_update(opt, compile=True, donate=True), ps.make_update(opt)
+    p, s = {k: v.clone() for k, v in params.items()}, opt.init(params)
+    p_ref, s_ref = {k: v.clone() for k, v in params.items()}, opt.init(params)
+    for i in range(4):
+        grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+        if i == 2:
+            s, s_ref = ps.set_hyperparam(s, "gamma", 0.1), ps.set_hyperparam(s_ref, "gamma", 0.1)
+        with torch.compiler.set_stance("fail_on_recompile" if i else "default"):
+            compiled(p, grads, s)
+        p_ref, s_ref = eager(p_ref, grads, s_ref)
+    assert compiled.explain().startswith("flat"), compiled.explain()
+    assert len(compiled.layout()) < len(params)  # leaves packed together
+    for k in params:
+        torch.testing.assert_close(p[k], p_ref[k], rtol=1e-5, atol=1e-6, msg=k)
+    torch.testing.assert_close(ps.tree_get(s, "estim_lr"), ps.tree_get(s_ref, "estim_lr"), rtol=1e-5, atol=0)

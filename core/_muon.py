@@ -164,11 +164,12 @@ def orthogonalize_leaves(
     return out  # type: ignore[return-value]
 
 
-def leaf_batch_dims(tree: PyTree, batch_dims: Any, rule: Any) -> list[int]:
+def leaf_batch_dims(tree: PyTree, batch_dims: Any) -> list[int]:
     """Per leaf of `tree` (flatten order): how many leading dims index separate matrices,
     from `batch_dims` (an int, a tree of ints like the params, or `(path, leaf) -> int`);
-    on flat buffers one value per buffer (`rule`, this transform's own object, keys the
-    lookup), the planner splitting buffers whose leaves differ."""
+    on flat buffers one value per buffer, resolved once per layout (keyed by the
+    `batch_dims` object, the user's own: the same across rebuilds of the transform, as
+    `inject_hyperparams` makes them), the planner splitting buffers whose leaves differ."""
 
     def per_leaf(whole: PyTree) -> list[int]:
         pairs = tr.tree_flatten_with_path(whole)[0]
@@ -191,7 +192,7 @@ def leaf_batch_dims(tree: PyTree, batch_dims: Any, rule: Any) -> list[int]:
         return [int(b) for b in values]
 
     if lay.is_packed(tree):
-        return lay.rule_per_group(tree, rule, per_leaf)
+        return lay.rule_per_group(tree, batch_dims, per_leaf)
     return per_leaf(tree)
 
 
@@ -225,13 +226,6 @@ def check_muon_args(ns_steps: int, ns_coefficients: Coefficients, ns_dtype: Any,
 # --------------------------------------------------------------------------- #
 # The building block.
 # --------------------------------------------------------------------------- #
-
-
-class _BatchDims:
-    """A transform's `batch_dims`, as the key of its per-buffer lookup (`leaf_batch_dims`)."""
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
 
 
 class ScaleByMuonState(NamedTuple):
@@ -300,18 +294,16 @@ def scale_by_muon(
             f"emulate_bf16 must be True, False or None (only where bf16 matmuls are slow), got {emulate_bf16!r}"
         )
 
-    rule = _BatchDims(batch_dims)
-
     def init(params: Params) -> ScaleByMuonState:
         lay.whole_leaves(params, stacks=True)  # per-matrix math: same-shape matrices stacked
         _check_matrices(params, "params")
-        leaf_batch_dims(params, batch_dims, rule)  # refused now, not at the first update
+        leaf_batch_dims(params, batch_dims)  # refused now, not at the first update
         leaves = pytree.tree_leaves(params)
         return ScaleByMuonState(zero_count(leaf_device(leaves)), lp.init_moments(params, mu_dtype))
 
     def update(grads, state, params=None, **extra):
         _check_matrices(grads, "grads")
-        batch = leaf_batch_dims(grads, batch_dims, rule)
+        batch = leaf_batch_dims(grads, batch_dims)
         gs, wide, mu = lp.load_moments(grads, state.mu, params)
         spec = pytree.tree_structure(grads)
         beta = resolve(momentum, state.count)

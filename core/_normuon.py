@@ -29,7 +29,7 @@ from ._base import (
 from ._combine import chain, partition
 from ._decay import add_decayed_weights
 from ._muon import NS5_COEFFICIENTS, Coefficients, _check_matrices, _coefficient_schedule, check_muon_args
-from ._muon import muon_labels, orthogonalize_leaves
+from ._muon import leaf_batch_dims, muon_labels, orthogonalize_leaves
 from ._optimizers import adamw
 from ._sharded import is_dtensor
 from ._scaling import scale_by_lr
@@ -52,11 +52,11 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _row_zeros(p: Tensor, stacked: bool) -> Tensor:
-    """Zeros, one per row of `p` ((k, rows) for a stack of k), in the normalization's dtype;
-    for an FSDP2 param (a DTensor sharded on its rows) sharded the same way, so that each
-    rank keeps the rows it holds."""
-    shape, dtype = p.shape[: 1 + stacked], _wide(p.dtype)
+def _row_zeros(p: Tensor, lead: int) -> Tensor:
+    """Zeros, one per row of each matrix of `p` (`lead` leading dims index the matrices:
+    (k, rows) for a stack of k), in the normalization's dtype; for an FSDP2 param (a
+    DTensor sharded on dim 0) sharded the same way, so that each rank keeps its rows."""
+    shape, dtype = p.shape[: 1 + lead], _wide(p.dtype)
     if not is_dtensor(p):
         return torch.zeros(shape, dtype=dtype, device=p.device)
     from torch.distributed.tensor import Replicate, Shard, zeros
@@ -76,6 +76,7 @@ def scale_by_normuon(
     eps: float = 1e-10,
     adjust_lr: str = "match_rms_adamw",
     emulate_bf16: bool | None = None,
+    batch_dims: Any = 0,
     mu_dtype: torch.dtype | None = None,
     rounding: str = "stochastic",
 ) -> Transform:
@@ -88,7 +89,8 @@ def scale_by_normuon(
     (k, A) for a stack of k same-shape matrices, which run batched as Muon's do. Under
     FSDP2 each matrix is orthogonalized once, on its owner rank, as Muon's; each rank keeps
     the rows of v it holds (a DTensor sharded like the param's rows) and the norm of Ô is
-    summed across ranks.
+    summed across ranks. `batch_dims` as `scale_by_muon`'s: each of a leaf's matrices has its
+    own rows' v and its own norm (under FSDP2 such leaves run on whole DTensors).
 
     Example:
         >>> import torch, purestep.core as ps
@@ -114,23 +116,30 @@ def scale_by_normuon(
     if emulate_bf16 is not None and not isinstance(emulate_bf16, bool):
         raise ValueError(f"emulate_bf16 must be True, False or None, got {emulate_bf16!r}")
 
+    def leads(tree: Any, what: str) -> list[int]:
+        lay.whole_leaves(tree, stacks=True)  # per-matrix math: same-shape matrices stacked
+        _check_matrices(tree, what)
+        batch = leaf_batch_dims(tree, batch_dims)
+        if any(batch) and lay.is_sharded(tree):  # per-matrix norms are not summed across shards
+            raise lay.per_leaf_only("NorMuon with batch_dims runs on whole DTensors")
+        return [int(k) + b for k, b in zip(lay.stacked(tree), batch)]
+
     def init(params: Params) -> ScaleByNorMuonState:
-        lay.whole_leaves(params, stacks=True)  # per-matrix math: same-shape matrices stacked
-        _check_matrices(params, "params")
+        lead = leads(params, "params")
         leaves, spec = pytree.tree_flatten(params)
         mu = lp.init_moments(params, mu_dtype)
-        nu = [_row_zeros(p, k) for p, k in zip(leaves, lay.stacked(params))]
+        nu = [_row_zeros(p, b) for p, b in zip(leaves, lead)]
         return ScaleByNorMuonState(zero_count(leaf_device(leaves)), mu, pytree.tree_unflatten(nu, spec))
 
     def update(grads, state, params=None, **extra):
-        _check_matrices(grads, "grads")
+        lead = leads(grads, "grads")
         gs, wide, mu = lp.load_moments(grads, state.mu, params)
         spec = pytree.tree_structure(grads)
         nu = pytree.tree_leaves(state.nu)
         beta, b2 = resolve(momentum, state.count), resolve(beta2, state.count)
         mu = ls.cast_like(ls.ema(mu, wide, beta), wide)  # m ← β·m + (1-β)·g
         src = ls.cast_like(ls.ema(wide, mu, 1.0 - beta), wide) if nesterov else mu  # m̃ = (1-β)·g + β·m
-        stacked = lay.stacked(grads)
+        batch = [b - int(k) for b, k in zip(lead, lay.stacked(grads))]
 
         def orthogonal(mats: list[Tensor], lead: list[int]) -> list[Tensor]:
             # On whole matrices (over FSDP2 shards: once, on each matrix's owner rank).
@@ -140,21 +149,32 @@ def scale_by_normuon(
         # each rank normalizes its rows and `leaf_norms` sums the squares across ranks.
         shapes = lay.global_shapes(grads)  # the whole matrix (a stack's member)
         orth, normed, new_nu = [], [], []
-        for o, v, k, full in zip(lay.map_matrices(grads, orthogonal, src), nu, stacked, shapes):
-            n, rows, cols = (o.shape[0] if k else 1), o.shape[1 if k else 0], math.prod(o.shape[2 if k else 1 :])
-            o2 = o.reshape(n, rows, cols).to(_wide(o.dtype))  # a stack's k matrices, or one
+        for o, v, b in zip(lay.map_matrices(grads, orthogonal, src, batch_dims=batch), nu, lead):
+            n, rows, cols = math.prod(o.shape[:b]), o.shape[b], math.prod(o.shape[b + 1 :])
+            o2 = o.reshape(n, rows, cols).to(_wide(o.dtype))  # a stack's (or batch's) matrices, or one
             v = v.reshape(n, rows) * b2 + o2.square().mean(dim=2) * (1.0 - b2)  # v ← β₂·v + (1-β₂)·mean_cols(O²)
             normed.append((o2 / (v.sqrt() + eps).unsqueeze(2)).reshape(o.shape))  # Ô = O / (√v + ε), per row
             if adjust_lr == "original":
                 orth.append(o2.reshape(o.shape))  # O's norm, kept by the authors' code
-            new_nu.append(v.reshape(o.shape[: 1 + k]))
+            new_nu.append(v.reshape(o.shape[: 1 + b]))
+        # Per whole matrix: its norms (a stack's (k, 1, ...); over shards summed across ranks)
+        # and its size A × B; a leaf with batch dims holds several matrices, normed one by one.
+        o_norms, normed_norms = lay.leaf_norms(grads, orth if orth else normed, normed)
+        dims = []
+        for i, (x, b, extra, full) in enumerate(zip(normed, lead, batch, shapes)):
+            if extra:
+                keep = (math.prod(x.shape[:b]),) + (1,) * (x.dim() - b)
+                matrix_norm = lambda y: torch.linalg.vector_norm(y.reshape(keep[0], -1), dim=1).reshape(x.shape[:b] + keep[1:])  # noqa: E731
+                normed_norms[i] = matrix_norm(x)
+                if orth:
+                    o_norms[i] = matrix_norm(orth[i])
+            a = full[extra]
+            dims.append((a, math.prod(full[extra + 1 :])))
         if adjust_lr == "match_rms_adamw":  # η̂ = 0.2·√(AB)/‖Ô‖: RMS 0.2, as AdamW's
-            scales = [0.2 * math.sqrt(full[0] * math.prod(full[1:])) / (norm + eps)
-                      for norm, full in zip(lay.leaf_norms(grads, normed), shapes)]
+            scales = [0.2 * math.sqrt(a * c) / (norm + eps) for norm, (a, c) in zip(normed_norms, dims)]
         else:  # the authors' code: ‖O‖/‖Ô‖ keeps O's norm, then Muon's max(1, A/B)^0.5
-            o_norms, normed_norms = lay.leaf_norms(grads, orth, normed)
-            scales = [o_norm / (norm + eps) * max(1.0, full[0] / math.prod(full[1:])) ** 0.5
-                      for o_norm, norm, full in zip(o_norms, normed_norms, shapes)]
+            scales = [o_norm / (norm + eps) * max(1.0, a / c) ** 0.5
+                      for o_norm, norm, (a, c) in zip(o_norms, normed_norms, dims)]
         out = [(x * scale).to(g.dtype) for x, scale, g in zip(normed, scales, gs)]
         mu_tree = lp.store_moments(mu, state.mu, lp.moment_keys(state.count, rounding, state.mu))
         nu_tree = pytree.tree_unflatten(new_nu, pytree.tree_structure(state.nu))
@@ -176,6 +196,7 @@ def normuon(
     *,
     adjust_lr: str = "match_rms_adamw",
     emulate_bf16: bool | None = None,
+    batch_dims: Any = 0,
     mu_dtype: torch.dtype | None = None,
     rounding: str = "stochastic",
 ) -> Transform:
@@ -197,6 +218,8 @@ def normuon(
         emulate_bf16: as `muon`. weight_decay: λ, decoupled. mu_dtype, rounding: the
         momentum's storage, as `adam`'s (v, one value per row, stays float32).
       eps: ε of the per-row normalization (1e-10, the authors' code).
+      batch_dims: leading dims that index separate matrices, as `muon`'s: expert weights
+        (E, m, n) with 1 are E matrices, each with its rows' v and its η̂.
       adjust_lr: "match_rms_adamw" (default), the paper's η̂ above. "original" is the
         authors' released code (github.com/zichongli5/NorMuon), which differs from the paper
         here: η̂ = η·‖O‖_F/‖Ô‖_F · max(1, m/n)^0.5 (O's norm kept, then `muon`'s "original"
@@ -220,7 +243,7 @@ def normuon(
     check_nonnegative("lr", lr)
     block = scale_by_normuon(
         momentum, beta2, nesterov, ns_steps, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, eps=eps,
-        adjust_lr=adjust_lr, emulate_bf16=emulate_bf16, mu_dtype=mu_dtype, rounding=rounding,
+        adjust_lr=adjust_lr, emulate_bf16=emulate_bf16, batch_dims=batch_dims, mu_dtype=mu_dtype, rounding=rounding,
     )
     return chain(block, add_decayed_weights(weight_decay), scale_by_lr(lr))
 
@@ -243,6 +266,7 @@ def normuon_adamw(
     eps: float = 1e-10,
     adjust_lr: str = "match_rms_adamw",
     emulate_bf16: bool | None = None,
+    batch_dims: Any = 0,
     mu_dtype: torch.dtype | None = None,
     nu_dtype: torch.dtype | None = None,
     rounding: str = "stochastic",
@@ -251,7 +275,7 @@ def normuon_adamw(
     normuon(...), "adamw": adamw(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay)},
     labels)`, routed by `muon_labels` (embeddings, output head, norms, biases → AdamW).
 
-    `eps` and `adjust_lr` are NorMuon's; `mu_dtype` stores NorMuon's momentum and AdamW's m,
+    `eps`, `adjust_lr` and `batch_dims` (see `muon`) are NorMuon's; `mu_dtype` stores NorMuon's momentum and AdamW's m,
     `nu_dtype` AdamW's v (NorMuon's per-row v stays float32), rounded as `rounding` says (see
     `adam`).
 
@@ -265,7 +289,8 @@ def normuon_adamw(
     return partition(
         {
             "muon": normuon(lr, momentum, beta2, nesterov, ns_steps, weight_decay, ns_dtype, ns_coefficients,
-                            eps, adjust_lr=adjust_lr, emulate_bf16=emulate_bf16, mu_dtype=mu_dtype, rounding=rounding),
+                            eps, adjust_lr=adjust_lr, emulate_bf16=emulate_bf16, batch_dims=batch_dims, mu_dtype=mu_dtype,
+                            rounding=rounding),
             "adamw": adamw(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay,
                            mu_dtype=mu_dtype, nu_dtype=nu_dtype, rounding=rounding),
         },

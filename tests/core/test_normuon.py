@@ -202,3 +202,28 @@ def test_adjust_lr_is_checked_and_the_two_scalings_differ():
     torch.testing.assert_close(u_paper["w"].square().mean().sqrt(), torch.tensor(0.2, dtype=torch.float64))
     assert 1.5 < float(u_code["w"].norm()) < 2.5  # √4 = 2, NS5's singular values are ~0.7-1.2
     torch.testing.assert_close(u_code["w"] / u_code["w"].norm(), u_paper["w"] / u_paper["w"].norm())
+
+
+@pytest.mark.parametrize("adjust_lr", ["match_rms_adamw", "original"])
+def test_normuon_with_batch_dims_equals_one_normuon_per_expert_eager_and_flat(adjust_lr):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 8, 4, generator=g)
+    grads = [torch.randn(3, 8, 4, generator=g) for _ in range(4)]
+    kw = dict(ns_dtype=torch.float32, weight_decay=0.1, adjust_lr=adjust_lr)
+    split = ps.normuon(0.05, **kw)
+    sp, ss = {f"e{i}": w[i].clone() for i in range(3)}, None
+    ss = split.init(sp)
+    for gr in grads:
+        u, ss = split.update({f"e{i}": gr[i] for i in range(3)}, ss, sp)
+        sp = ps.apply_updates(sp, u)
+    batched = ps.normuon(0.05, batch_dims=1, **kw)
+    torch._dynamo.reset()
+    for update in (ps.make_update(batched), ps.make_update(batched, compile=True, donate=True)):
+        p = {"e": w.clone(), "twin": w.clone()}  # two same-shape leaves: a stack on flat buffers
+        s = batched.init(p)
+        for gr in grads:
+            p, s = update(p, {"e": gr, "twin": gr}, s)
+        assert tuple(ps.tree_get(s, "nu")["e"].shape) == (3, 8)
+        for i in range(3):
+            torch.testing.assert_close(p["e"][i], sp[f"e{i}"], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(p["twin"][i], sp[f"e{i}"], rtol=1e-5, atol=1e-6)

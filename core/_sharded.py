@@ -94,19 +94,28 @@ class _Slice:
         return math.prod(self.shape[1:])
 
 
-def _slice_of(path: str, x: Any, world: int, rank: int) -> _Slice:
-    if not is_dtensor(x):
-        return _Slice(x.shape, (0,) * world, (x.shape[0] if x.dim() else 1,) * world, False)
+def _shard_dim(path: str, x: Any) -> int | None:
+    """The mesh dim along which DTensor `x` is split in row blocks (`Shard(0)`), or None
+    when every mesh dim replicates it: FSDP2 on a 1-D mesh, HSDP's (Replicate, Shard(0))
+    on a (replicate, shard) mesh, or a replicated param."""
     from torch.distributed.tensor import Replicate, Shard
 
     placements = tuple(x.placements)
-    if x.device_mesh.ndim != 1 or len(placements) != 1:
-        raise ValueError(f"param '{path}' is a DTensor over a {x.device_mesh.ndim}-D mesh; purestep's sharded step takes 1-D meshes (FSDP2)")
-    placement = placements[0]
-    if isinstance(placement, Replicate):
+    split = [d for d, p in enumerate(placements) if not isinstance(p, Replicate)]
+    if not split:
+        return None
+    if len(split) > 1 or type(placements[split[0]]) is not Shard or placements[split[0]].dim != 0:
+        raise ValueError(
+            f"param '{path}' is placed {placements} over a {x.device_mesh.ndim}-D mesh; purestep's sharded step "
+            "takes Shard(0) on one mesh dim and Replicate on the others (FSDP2, HSDP)"
+        )
+    return split[0]
+
+
+def _slice_of(path: str, x: Any, world: int, rank: int) -> _Slice:
+    """How the ranks of the shard group hold `x` (row blocks as torch.chunk cuts them)."""
+    if not is_dtensor(x) or _shard_dim(path, x) is None:
         return _Slice(x.shape, (0,) * world, (x.shape[0] if x.dim() else 1,) * world, False)
-    if not (isinstance(placement, Shard) and placement.dim == 0):
-        raise ValueError(f"param '{path}' is placed {placement}; purestep's sharded step takes Shard(0) (FSDP2's default) or Replicate")
     rows = x.shape[0]
     chunk = -(-rows // world)  # torch.chunk: ceil(rows / world) rows per rank, the last ones fewer or none
     starts = tuple(min(r * chunk, rows) for r in range(world))
@@ -228,14 +237,25 @@ class ShardInfo:
 
 
 def shard_info(params: Any) -> ShardInfo:
-    """How `params` (DTensors of one 1-D mesh, or plain tensors: replicated) lie over the ranks."""
+    """How `params` (DTensors of one mesh, or plain tensors: replicated) lie over the ranks.
+
+    The shard group is the mesh dim the params are split along (the whole mesh when it is
+    1-D). On HSDP's (replicate, shard) mesh each replica is a shard group holding every
+    param whole between its ranks, with grads equal across replicas (FSDP2 all-reduces
+    them): reductions and owner-computes run within the shard group, so every replica
+    computes the same values by the same ops and the replicas stay bitwise identical."""
     pairs, _ = tr.tree_flatten_with_path(params)
     # One mesh (fully_shard per block makes equal mesh objects: compared by their ranks).
-    meshes = {(x.device_mesh.device_type, tuple(x.device_mesh.mesh.flatten().tolist())): x.device_mesh
-              for _, x in pairs if is_dtensor(x)}
+    meshes = {(x.device_mesh.device_type, tuple(x.device_mesh.mesh.shape), tuple(x.device_mesh.mesh.flatten().tolist())):
+              x.device_mesh for _, x in pairs if is_dtensor(x)}
     if len(meshes) != 1:
         raise ValueError(f"the params' DTensors live on {len(meshes)} device meshes; purestep's sharded step takes one")
-    group = next(iter(meshes.values())).get_group()
+    mesh = next(iter(meshes.values()))
+    dims = {d for p, x in pairs if is_dtensor(x) for d in [_shard_dim(p, x)] if d is not None}
+    if len(dims) > 1:
+        raise ValueError(f"the params are split along mesh dims {sorted(dims)}; purestep's sharded step takes one shard dim")
+    dim = dims.pop() if dims else mesh.ndim - 1
+    group = mesh.get_group(dim) if mesh.ndim > 1 else mesh.get_group()
     world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
     return ShardInfo(group, world, rank, [_slice_of(p, x, world, rank) for p, x in pairs])
 
@@ -382,10 +402,11 @@ def _agree(ok: bool, params: Any, engine: Any) -> bool:
     """Whether every rank can run a sharded path (one collective, at the first call): their
     collectives must match, so a rank that cannot sends all to the per-leaf path."""
     meshes = [x.device_mesh for x in pytree.tree_leaves(params) if is_dtensor(x)]
-    group = meshes[0].get_group() if meshes else None
     flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
-    if group is not None and torch.distributed.get_world_size(group) > 1:
-        torch.distributed.all_reduce(flag, group=group)
+    for dim in range(meshes[0].ndim if meshes else 0):  # over every mesh dim in turn: the whole mesh
+        group = meshes[0].get_group(dim)
+        if torch.distributed.get_world_size(group) > 1:
+            torch.distributed.all_reduce(flag, group=group)
     if ok and int(flag[0]):
         engine.why_not = f"{int(flag[0])} other rank(s) cannot plan this transform over their blocks"
     return not int(flag[0])

@@ -45,15 +45,16 @@ def model() -> torch.nn.Module:
     )
 
 
-def run(name: str, compile: bool, flat: bool = True) -> float:
+def run(name: str, compile: bool, flat: bool = True, mesh=None) -> float:
+    """One case; `mesh` a 2-D (replicate, shard) mesh for HSDP, else FSDP2 over every rank."""
     from torch.distributed.fsdp import fully_shard
 
-    rank = dist.get_rank()
+    rank = dist.get_rank() if mesh is None else mesh.get_local_rank("shard")  # the NaN goes to shard rank 1
     ref, net = model(), model()
     for layer in net:
         if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    fully_shard(net)
+            fully_shard(layer, mesh=mesh)
+    fully_shard(net, mesh=mesh)
     opt = CASES[name]()
     params = dict(net.named_parameters())
     state = opt.init(params)
@@ -81,6 +82,14 @@ def run(name: str, compile: bool, flat: bool = True) -> float:
             if not err <= 2e-6 * max(1.0, float(ref_params[k].abs().max())):
                 raise AssertionError(f"{name} compile={compile} step {step}: '{k}' is {err:.3g} from one process")
             worst = max(worst, err)
+    if mesh is not None:  # HSDP: the replicas hold bitwise the same params and state
+        group = mesh.get_group("replicate")
+        for k, x in [*params.items(), *((f"state {i}", x) for i, x in enumerate(ps.tree_leaves(state)))]:
+            mine = x.to_local() if hasattr(x, "to_local") else x
+            theirs = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(theirs, mine.contiguous(), group=group)
+            if not all(torch.equal(t, theirs[0]) for t in theirs):
+                raise AssertionError(f"{name} compile={compile}: the replicas differ in {k}")
     skipped = int(ps.tree_get(state, "total_notfinite"))
     assert skipped == 1, f"{name}: {skipped} skipped steps, expected the NaN step only"
     assert update.explain().startswith("sharded" if flat else "per-leaf DTensor"), update.explain()
@@ -90,7 +99,29 @@ def run(name: str, compile: bool, flat: bool = True) -> float:
     return worst
 
 
+HSDP = ("adamw+clip+skip", "muon_adamw", "normuon_adamw", "lamb", "prodigy")
+HSDP_COMPILED = ("adamw+clip+skip", "muon_adamw")
+
+
+def main_hsdp() -> None:
+    """4 ranks: HSDP on a (replicate 2, shard 2) mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    for name in HSDP:
+        for compile in (False, True) if name in HSDP_COMPILED else (False,):
+            worst = run(name, compile, mesh=mesh)
+            if dist.get_rank() == 0:
+                print(f"ok hsdp {name} compile={compile} max_err={worst:.2e}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    leave(0)
+
+
 def main() -> None:
+    if sys.argv[1:] == ["hsdp"]:
+        return main_hsdp()
     dist.init_process_group("gloo")
     for name in CASES:
         for compile in (False, True) if name in COMPILED else (False,):

@@ -34,3 +34,20 @@ def test_sharded_update_on_two_fsdp2_ranks_equals_one_process():
         ["adopt/laprop/adamc", "compile=False"],
         ["per-leaf-DTensor", "compile=False"],
     ], out.stdout
+
+
+def test_sharded_update_on_an_hsdp_mesh_of_four_ranks_equals_one_process_and_keeps_replicas_identical():
+    """HSDP: `fully_shard(..., mesh=init_device_mesh("cpu", (2, 2)))`, a (replicate, shard)
+    mesh. Reductions and owner-computes run within each replica's shard group; the replicas
+    must hold bitwise the same params and state after every case, every case equal to one
+    process, a NaN in both replicas' block skipped by every rank."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(WORKER), "hsdp"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    done = [line.split()[2:4] for line in out.stdout.splitlines() if line.startswith("ok hsdp ")]
+    assert done == [
+        ["adamw+clip+skip", "compile=False"], ["adamw+clip+skip", "compile=True"],
+        ["muon_adamw", "compile=False"], ["muon_adamw", "compile=True"],
+        ["normuon_adamw", "compile=False"], ["lamb", "compile=False"], ["prodigy", "compile=False"],
+    ], out.stdout

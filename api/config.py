@@ -100,6 +100,11 @@ class TrainConfig(_Section):
     run always has one), of which `keep_last` are kept. `strategy`, `precision` and
     `compile` say how it runs; `ema_decay` keeps an EMA of the params (None: none).
 
+    `strategy`: "single", "ddp", "fsdp" (FSDP2 over every rank) or "hsdp" (FSDP2 inside
+    each of `replicate` groups of ranks, the groups replicas of each other: a
+    (replicate, shard) mesh; 0 takes one replica per node, torchrun's ranks / its
+    LOCAL_WORLD_SIZE). Every rank takes its own part of each batch on all of them.
+
     `precision`: "fp32"; "bf16" (alias "bf16-mixed"): float32 params, forward and
     backward under bf16 autocast; "bf16-true": the model's params (and floating buffers
     and inputs) in bf16, no autocast, `ps.compensated_updates()` chained last in the
@@ -134,7 +139,8 @@ class TrainConfig(_Section):
     log_every: PositiveInt = 10
     eval_every: NonNegativeInt = 0
     time_budget: Union[Annotated[float, Meta(gt=0)], None] = None
-    strategy: Literal["single", "ddp", "fsdp"] = "single"
+    strategy: Literal["single", "ddp", "fsdp", "hsdp"] = "single"
+    replicate: NonNegativeInt = 0
     precision: Literal["fp32", "bf16", "bf16-mixed", "bf16-true", "fp16"] = "fp32"
     compile: bool = False
     ema_decay: Union[Annotated[float, Meta(gt=0, lt=1)], None] = None
@@ -154,9 +160,12 @@ class TrainConfig(_Section):
             raise ConfigError("model.n_embd", f"{self.model.n_embd} is not divisible by model.n_head={self.model.n_head}")
         if self.precision == "fp16":
             raise ConfigError("precision", "'fp16' needs loss scaling, which the Trainer does not run; use 'bf16'")
-        if self.precision == "bf16-true" and self.strategy == "fsdp":
-            raise ConfigError("precision", "'bf16-true' is not supported with strategy='fsdp' (FSDP2 keeps float32 "
-                              "sharded params and casts them to bf16 for compute itself); use precision='bf16'")
+        if self.precision == "bf16-true" and self.strategy in ("fsdp", "hsdp"):
+            raise ConfigError("precision", f"'bf16-true' is not supported with strategy='{self.strategy}' (FSDP2 keeps "
+                              "float32 sharded params and casts them to bf16 for compute itself); use precision='bf16'")
+        if self.replicate and self.strategy != "hsdp":
+            raise ConfigError("replicate", f"{self.replicate} replicas asked for, but strategy='{self.strategy}'; "
+                              "the replicate degree is HSDP's (strategy='hsdp')")
 
     @property
     def autocast(self) -> bool:
@@ -373,11 +382,12 @@ def resume_changes(saved: dict[str, Any] | None, config: TrainConfig, step: int)
     if saved is None:
         return []
     old, new = _flat(saved), _flat(msgspec.to_builtins(config))
+    defaults = _flat(msgspec.to_builtins(TrainConfig()))
     messages = []
     for field in sorted(old.keys() | new.keys()):
         before, after = old.get(field), new.get(field)
-        if before == after:
-            continue
+        if before == after or (field not in old and after == defaults.get(field, before)):
+            continue  # unchanged, or a field newer than the checkpoint, left at its default
         kept = any(field == k or field.startswith(k + ".") for k in _KEPT_ON_RESUME)
         # bf16-true changes the params' dtype and the optimizer state's structure (the Kahan buffer).
         kept = kept or (field == "precision" and (before == "bf16-true") != (after == "bf16-true"))

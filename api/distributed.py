@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-STRATEGIES = ("single", "ddp", "fsdp")
+STRATEGIES = ("single", "ddp", "fsdp", "hsdp")
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class World:
     local_rank: int
     device: torch.device
     strategy: str
+    replicate: int = 1  # HSDP's replicas (the mesh's first dim); 1 on the other strategies
 
     @property
     def main(self) -> bool:
@@ -43,16 +44,26 @@ class World:
         return self.strategy != "single"
 
 
-def setup(strategy: str = "single", device: str | None = None) -> World:
+def setup(strategy: str = "single", device: str | None = None, *, replicate: int = 0) -> World:
     """Join the process group torchrun describes (if any) and pick this rank's device.
 
     On CUDA each process of a node takes the GPU of its `LOCAL_RANK`; a launch with more
     processes per node than the node has GPUs fails here, in one line naming both counts.
+    `replicate`: HSDP's replicate degree (0: one replica per node); it must divide the ranks.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if strategy == "hsdp":
+        nodes = max(1, size // int(os.environ.get("LOCAL_WORLD_SIZE", str(size))))
+        replicate = replicate or nodes
+        if size % replicate:
+            raise ValueError(f"strategy='hsdp': replicate={replicate} does not divide the {size} ranks; "
+                             f"pick a divisor of {size} (replicas x shards = ranks)")
+    elif replicate:
+        raise ValueError(f"replicate={replicate} is HSDP's degree; strategy is {strategy!r}")
+    replicas = replicate if strategy == "hsdp" else 1
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
@@ -73,7 +84,7 @@ def setup(strategy: str = "single", device: str | None = None) -> World:
             os.environ.setdefault("WORLD_SIZE", "1")
         backend = "nccl" if dev.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10), device_id=dev if dev.type == "cuda" else None)
-    return World(dist.get_rank(), dist.get_world_size(), local_rank, dev, strategy)
+    return World(dist.get_rank(), dist.get_world_size(), local_rank, dev, strategy, replicas)
 
 
 def _local_gpu(dev: torch.device, local_rank: int) -> torch.device:
@@ -111,17 +122,22 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
 
 def wrap(model: nn.Module, world: World, *, precision: str = "fp32") -> nn.Module:
     """`model` on `world.device` (cast to bf16 for precision "bf16-true"), wrapped for the
-    strategy (DDP, or FSDP2 per block then root; FSDP2 on CUDA casts to bf16 for "bf16")."""
-    if precision == "bf16-true" and world.strategy == "fsdp":
-        raise ValueError("precision='bf16-true' is not supported with strategy='fsdp'; use precision='bf16'")
+    strategy (DDP, or FSDP2 per block then root, over every rank or, for HSDP, over a
+    (replicate, shard) mesh; FSDP2 on CUDA casts to bf16 for "bf16")."""
+    if precision == "bf16-true" and world.strategy in ("fsdp", "hsdp"):
+        raise ValueError(f"precision='bf16-true' is not supported with strategy='{world.strategy}'; use precision='bf16'")
     model = model.to(world.device, dtype=torch.bfloat16 if precision == "bf16-true" else None)
     if world.strategy == "ddp":
         ids = [world.device.index] if world.device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=ids)
-    if world.strategy == "fsdp":
+    if world.strategy in ("fsdp", "hsdp"):
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         kwargs: dict[str, Any] = {}
+        if world.strategy == "hsdp":
+            shape = (world.replicate, world.size // world.replicate)
+            kwargs["mesh"] = init_device_mesh(world.device.type, shape, mesh_dim_names=("replicate", "shard"))
         if world.device.type == "cuda" and precision in ("bf16", "bf16-mixed"):
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in blocks_of(model):

@@ -106,7 +106,7 @@ class Trainer:
         refuse_ignored(cfg, {"transform": transform, "model": model, "data": data, "ema": ema})
         if loss_fn is None and model is not None:
             raise ValueError("loss_fn: a given model needs its loss_fn(model, batch) -> loss or (loss_sum, tokens)")
-        self.world = D.setup(cfg.strategy, device)
+        self.world = D.setup(cfg.strategy, device, replicate=cfg.replicate)
         torch.manual_seed(cfg.seed)
         self.loss_fn = loss_fn or lm_loss
         self.data = data if data is not None else build_data(cfg)
@@ -122,7 +122,7 @@ class Trainer:
         # Detached aliases that a compiled, donated update re-points into its flat buffers
         # together with the module's own parameters (see ps.make_update).
         self._params = ps.functional_model(D.unwrap(self.module))[1]
-        self.fsdp = self.world.strategy == "fsdp"
+        self.fsdp = self.world.strategy in ("fsdp", "hsdp")  # FSDP2-sharded params (HSDP: over a 2-D mesh)
         params = self.params()
         if transform is None:
             transform = cfg.build_optimizer()

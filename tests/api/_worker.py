@@ -188,6 +188,7 @@ if __name__ == "__main__":
     t.fit(resume=a.resume)
     if int(os.environ.get("RANK", "0")) == 0:
         print("done", t.step, t.updates)
+        print("path", t.update.explain())
     t.close()
     if t.world.distributed:
         leave(0)  # as the purestep command ends a torchrun rank

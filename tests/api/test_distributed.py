@@ -76,6 +76,44 @@ def test_fsdp2_on_two_ranks_matches_one_process_skips_nan_together_and_resumes_o
         torch.testing.assert_close(resharded.params[k], p.detach(), rtol=1e-3, atol=1e-5)
 
 
+def test_hsdp_on_four_ranks_matches_one_process_and_resumes_on_fsdp_and_on_one_process(tmp_path, same_device_as_the_ranks):
+    """strategy="hsdp" on a (2 replicas, 2 shards) mesh: the Trainer's sharded update runs
+    within each replica, equal to one process; its DCP checkpoint resumes on FSDP2 over 2
+    ranks and in one plain process (resharded across meshes on load)."""
+    out = torchrun(str(tmp_path / "hsdp"), "hsdp", "8", "--nan-at", "5", "--set", "replicate=2", nproc=4)
+    assert out.stderr.count("step 6: skip_nonfinite") == 4  # every rank skipped the step rank 0 poisoned
+    assert "path sharded" in out.stdout, out.stdout  # the update ran on the shards, not on whole DTensors
+    ref = trainer(tmp_path / "single", "steps=8", nan_at=5)
+    ref.fit()
+    hsdp = load_checkpoint(tmp_path / "hsdp" / "checkpoints" / "step_00000008")
+    assert hsdp.manifest.layout == "dcp" and hsdp.manifest.world_size == 4
+    for k, p in ref.named.items():
+        torch.testing.assert_close(hsdp.params[k], p.detach(), rtol=1e-3, atol=1e-5)
+    shutil.copytree(tmp_path / "hsdp", tmp_path / "fsdp2")
+    torchrun(str(tmp_path / "fsdp2"), "fsdp", "12", "--resume", "--nan-at", "5", nproc=2)
+    resumed = trainer(tmp_path / "hsdp", "steps=12", nan_at=5)  # one plain process
+    resumed.fit(resume=True)
+    ref = trainer(tmp_path / "single", "steps=12", nan_at=5)
+    ref.fit(resume=True)
+    on_fsdp = load_checkpoint(tmp_path / "fsdp2" / "checkpoints" / "step_00000012")
+    assert on_fsdp.manifest.world_size == 2
+    for k, p in ref.named.items():
+        torch.testing.assert_close(resumed.named[k], p, rtol=1e-3, atol=1e-5)
+        torch.testing.assert_close(on_fsdp.params[k], p.detach(), rtol=1e-3, atol=1e-5)
+
+
+def test_hsdp_degrees_that_do_not_divide_the_ranks_fail_in_one_line(monkeypatch):
+    from purestep.api import ConfigError, TrainConfig, apply_overrides
+    from purestep.api import distributed as D
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="replicate=3 does not divide the 4 ranks"):
+        D.setup("hsdp", "cpu", replicate=3)
+    with pytest.raises(ConfigError) as e:
+        apply_overrides(TrainConfig(), ["strategy=fsdp", "replicate=2"])
+    assert e.value.field == "replicate"
+
+
 def test_ddp_on_two_ranks_ends_with_the_single_process_params(tmp_path, same_device_as_the_ranks):
     # Same seed and global batch: each rank takes half of every batch, DDP averages the grads.
     torchrun(str(tmp_path / "ddp"), "ddp", "6")

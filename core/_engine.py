@@ -81,7 +81,7 @@ class Engine:
             engine = self.sharded() if self.sharded is not None else None
             if engine is not None and engine.plans(params):
                 how = "flat buffers over this rank's blocks" if self.compile else "this rank's blocks in place, eager"
-                return _Path("sharded", f"DTensor params: {how}", engine)
+                return _Path("sharded", f"DTensor params: {how}; {_sharded.describe(params)}", engine)
             why = "flat=False" if self.flat_asked is False else "no sharded path here" if engine is None else engine.why_not
             return _Path("per-leaf DTensor", f"{why}; eager, on whole DTensors", self.per_leaf_dtensor)
         if self.flat is not None:

@@ -133,11 +133,14 @@ class ShardInfo:
     the collectives `_layout` runs over it. Off (`active=False`) while a layout is planned:
     the dry runs on stand-ins then reduce locally and communicate nothing."""
 
-    def __init__(self, group: Any, world: int, rank: int, slices: list[_Slice]) -> None:
+    def __init__(self, group: Any, world: int, rank: int, slices: list[_Slice],
+                 replicas: tuple[Any, int, int] | None = None) -> None:
         self.group, self.world, self.rank = group, world, rank
         self.slices = slices  # by leaf index (flatten order of the params)
+        # HSDP: (the group of this rank's replicas, their number, this rank's index among them)
+        self.replica_group, self.replicas, self.replica = replicas if replicas is not None else (None, 1, 0)
         self.active = False
-        self._owners: dict[tuple[int, ...], dict[int, int]] = {}
+        self._owners: dict[tuple[int, ...], tuple[dict[int, int], dict[int, int]]] = {}
 
     # -- shapes and weights -----------------------------------------------------
     def full_shape(self, member: Any) -> torch.Size:
@@ -170,20 +173,31 @@ class ShardInfo:
         return fc.wait_tensor(fc.all_to_all_single(x, out_splits, in_splits, self.group))
 
     def owners(self, indices: tuple[int, ...]) -> dict[int, int]:
-        """leaf index -> owner rank for the sharded matrices `indices`: largest Newton-Schulz
-        cost (m·n·min(m, n)) first, each to the least loaded rank (ties: the lowest rank)."""
+        """leaf index -> owner rank (in the shard group) for the sharded matrices `indices`."""
+        return self._assign(indices)[0]
+
+    def computing_replica(self, indices: tuple[int, ...]) -> dict[int, int]:
+        """leaf index -> the replica whose owner computes it (HSDP; 0 without replicas)."""
+        return self._assign(indices)[1]
+
+    def _assign(self, indices: tuple[int, ...]) -> tuple[dict[int, int], dict[int, int]]:
+        """Owners and computing replicas: largest Newton-Schulz cost (m·n·min(m, n)) first,
+        each to the least loaded (replica, rank) slot of the whole mesh (ties: the lowest),
+        so with R replicas of S ranks each rank computes about 1/(R·S) of the work. A pure
+        function of the shapes: every rank computes the same assignment."""
         if indices not in self._owners:
             def cost(i: int) -> int:
                 rows, cols = self.slices[i].shape[0], self.slices[i].row_numel
                 return rows * cols * min(rows, cols)
 
-            load = [0] * self.world
-            owner = {}
+            slots = [(q, r) for q in range(self.replicas) for r in range(self.world)]
+            load = dict.fromkeys(slots, 0)
+            owner, replica = {}, {}
             for i in sorted(indices, key=lambda i: (-cost(i), i)):
-                r = min(range(self.world), key=lambda r: (load[r], r))
-                owner[i] = r
-                load[r] += cost(i)
-            self._owners[indices] = owner
+                q, r = min(slots, key=lambda s: (load[s], s))
+                owner[i], replica[i] = r, q
+                load[(q, r)] += cost(i)
+            self._owners[indices] = (owner, replica)
         return self._owners[indices]
 
     def map_matrices(self, spec: PackSpec, fn: Callable, xs: list[Tensor], batch: list[int]) -> list[Tensor]:
@@ -224,7 +238,7 @@ class ShardInfo:
         for k, i in enumerate(mine):  # rank s's rows of matrix i sit at s·len(mine) + k
             rows = [pieces[s * len(mine) + k].view(sl[i].counts[s], *sl[i].shape[1:]) for s in range(world)]
             whole.append(torch.cat(rows) if len(rows) > 1 else rows[0])
-        done = fn(whole, [lead[i] for i in mine]) if whole else []
+        done = _replicas_compute(self, indices, mine, whole, fn, lead) if whole else []
         # Results back: to rank d, its rows of every matrix I own.
         back = [o[sl[i].starts[d] : sl[i].starts[d] + sl[i].counts[d]].reshape(-1) for d in range(world) for i, o in zip(mine, done)]
         in_splits = [sum(sl[i].counts[d] * sl[i].row_numel for i in mine) for d in range(world)]
@@ -234,6 +248,38 @@ class ShardInfo:
         order = [i for s in range(world) for i in indices if owner[i] == s]
         parts = got.split([sl[i].counts[me] * sl[i].row_numel for i in order])
         return {i: p.view(blocks[i].shape) for i, p in zip(order, parts)}
+
+
+def describe(params: Any) -> str:
+    """What the sharded path runs on these params' mesh, for `explain()`."""
+    try:
+        info = shard_info(params)
+    except ValueError as e:
+        return str(e)
+    if info.replicas > 1:
+        return (f"HSDP, {info.replicas} replicas x {info.world} shards: reductions are one all_reduce within each "
+                f"replica's {info.world} ranks; whole-matrix math is owner-computes over all {info.replicas * info.world} "
+                "ranks (an all_to_all each way within a replica, one all_reduce across replicas)")
+    return (f"FSDP over {info.world} rank(s): reductions are one all_reduce each; whole-matrix math is owner-computes "
+            "(an all_to_all each way)")
+
+
+def _replicas_compute(info: ShardInfo, indices: tuple[int, ...], mine: list[int], whole: list[Tensor],
+                      fn: Callable, lead: dict[int, int]) -> list[Tensor]:
+    """`fn` on the whole matrices this rank owns. Without replicas, on all of them. With
+    HSDP's replicas, each replica's owner computes its share (`computing_replica`) and one
+    all_reduce over the replicas (zeros where another computed: the sum is exact) gives
+    every replica every result."""
+    if info.replica_group is None:
+        return fn(whole, [lead[i] for i in mine])
+    replica = info.computing_replica(indices)
+    todo = [k for k, i in enumerate(mine) if replica[i] == info.replica]
+    results = dict(zip(todo, fn([whole[k] for k in todo], [lead[mine[k]] for k in todo]))) if todo else {}
+    flat = torch.cat([results[k].reshape(-1) if k in results else torch.zeros_like(w).reshape(-1) for k, w in enumerate(whole)])
+    import torch.distributed._functional_collectives as fc
+
+    flat = fc.wait_tensor(fc.all_reduce(flat, "sum", info.replica_group))
+    return [part.view(w.shape) for part, w in zip(flat.split([w.numel() for w in whole]), whole)]
 
 
 def shard_info(params: Any) -> ShardInfo:
@@ -257,7 +303,12 @@ def shard_info(params: Any) -> ShardInfo:
     dim = dims.pop() if dims else mesh.ndim - 1
     group = mesh.get_group(dim) if mesh.ndim > 1 else mesh.get_group()
     world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
-    return ShardInfo(group, world, rank, [_slice_of(p, x, world, rank) for p, x in pairs])
+    replicas = None
+    if mesh.ndim == 2:  # HSDP: the other mesh dim holds the replicas
+        other = mesh.get_group(1 - dim)
+        if torch.distributed.get_world_size(other) > 1:
+            replicas = (other, torch.distributed.get_world_size(other), torch.distributed.get_rank(other))
+    return ShardInfo(group, world, rank, [_slice_of(p, x, world, rank) for p, x in pairs], replicas)
 
 
 # --------------------------------------------------------------------------- #

@@ -93,6 +93,7 @@ def run(name: str, compile: bool, flat: bool = True, mesh=None) -> float:
     skipped = int(ps.tree_get(state, "total_notfinite"))
     assert skipped == 1, f"{name}: {skipped} skipped steps, expected the NaN step only"
     assert update.explain().startswith("sharded" if flat else "per-leaf DTensor"), update.explain()
+    assert mesh is None or not flat or "HSDP, 2 replicas x 2 shards" in update.explain(), update.explain()
     # A forward after the last update reads it: FSDP2 all-gathers from the flat buffers.
     x = torch.randn(4, 6, generator=gen)
     torch.testing.assert_close(net(x), torch.func.functional_call(ref, ref_params, (x,)), rtol=1e-5, atol=1e-5)

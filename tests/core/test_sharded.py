@@ -82,3 +82,26 @@ def test_fsdp2_all_gathers_the_updated_params_from_the_flat_buffer(one_rank_grou
     torch.testing.assert_close(model(x), torch.func.functional_call(ref, ref_params, (x,)), rtol=1e-5, atol=1e-6)
     for k, p in params.items():
         torch.testing.assert_close(p.full_tensor(), ref_params[k], rtol=1e-5, atol=1e-6)
+
+
+def test_owner_computes_splits_the_matrices_over_every_rank_of_an_hsdp_mesh():
+    """Owners and computing replicas from the shapes alone: with 2 replicas of 2 ranks each
+    of the 4 (replica, rank) slots computes about a quarter of the Newton-Schulz work, the
+    largest matrices first, and every matrix exactly once."""
+    from purestep.core._sharded import ShardInfo, _Slice
+
+    shapes = [(64, 64)] * 4 + [(32, 32)] * 8 + [(16, 16)] * 3
+    slices = [_Slice(torch.Size(s), (0, s[0] // 2), (s[0] // 2, s[0] - s[0] // 2), True) for s in shapes]
+    info = ShardInfo(None, 2, 0, slices, replicas=(None, 2, 0))
+    indices = tuple(range(len(shapes)))
+    owner, replica = info.owners(indices), info.computing_replica(indices)
+    cost = lambda i: shapes[i][0] ** 3  # noqa: E731
+    per_slot = {}
+    for i in indices:
+        per_slot[(replica[i], owner[i])] = per_slot.get((replica[i], owner[i]), 0) + cost(i)
+    assert sorted(per_slot) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    total = sum(cost(i) for i in indices)
+    assert max(per_slot.values()) <= total / 4 + max(cost(i) for i in indices)
+    assert [owner[i] for i in range(4)] == [0, 1, 0, 1] and [replica[i] for i in range(4)] == [0, 0, 1, 1]
+    alone = ShardInfo(None, 2, 0, slices)  # FSDP on one mesh dim: no replicas
+    assert set(alone.computing_replica(indices).values()) == {0}

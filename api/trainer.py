@@ -137,9 +137,11 @@ class Trainer:
             ema = ps.params_ema(cfg.ema_decay, dtype=torch.float32 if cfg.bf16_params else None)
         # Donated on every strategy: under FSDP2 the update runs on flat buffers of this
         # rank's shards (ps.make_update's sharded path), in place in FSDP2's own storage.
-        self.update = ps.make_update(self.transform, compile=cfg.compile, donate=True, ema=ema)
+        # metrics=True: the grad norm (before any clipping) and the lr come back from the update
+        # itself, computed in its own pass (over FSDP2 shards, of the whole grads).
+        self.update = ps.make_update(self.transform, compile=cfg.compile, donate=True, ema=ema, metrics=True)
         self.opt_state = self.transform.init(params)
-        self.clipped = len(_nodes(self.opt_state, ps.ClipByGlobalNormState)) == 1  # its state holds the grad norm
+        self.update_metrics: dict[str, Tensor] = {}  # the last update's (device tensors)
         self.ema = ema[0](params) if ema is not None else None
         self.hyperparams = {k: pytree.tree_map(torch.clone, v) for k, v in ps.get_hyperparams(self.opt_state).items()}
         self.out = Path(out) if out is not None else None
@@ -221,9 +223,6 @@ class Trainer:
         done, budget = self.loop.step / self.config.steps, self.config.time_budget
         return max(done, self.loop.elapsed / budget) if budget else done
 
-    def _grad_norm(self) -> Tensor | None:
-        return _nodes(self.opt_state, ps.ClipByGlobalNormState)[0].norm if self.clipped else None
-
     # ------------------------------------------------------------------ #
     # One step.
     # ------------------------------------------------------------------ #
@@ -264,12 +263,13 @@ class Trainer:
             if self.config.time_budget:
                 for clock in self._clocks():
                     clock.fill_(int(self._progress() * self.config.steps))
-            logged = (self.loop.step + 1) % self.config.log_every == 0 or self.loop.step + 1 >= self.config.steps
-            if not self.clipped and (logged or self.config.time_budget):
-                record["grad_norm"] = ps.tree_global_norm(grads)  # no clip state to read it from
             params = self.params()
             out = self.update(params, grads, self.opt_state, *(() if self.ema is None else (self.ema,)))
             self.opt_state, self.ema = out[1], (out[2] if self.ema is not None else None)
+            metrics, last = out[-1], self.update_metrics
+            if "skipped" in metrics and "grad_norm" in last:  # a skipped update keeps the last applied one's norm
+                metrics = {**metrics, "grad_norm": torch.where(metrics["skipped"], last["grad_norm"], metrics["grad_norm"])}
+            self.update_metrics = metrics  # read when a log line is due
         # Zeroed in place, not dropped: the next backward writes where the update reads.
         torch._foreach_zero_([D.local(g) for g in grads.values()])
         self.loop.step += 1
@@ -356,7 +356,7 @@ class Trainer:
         """Read the step's device values (a sync), write them to metrics.jsonl and the progress display."""
         now, tokens = time.perf_counter(), float(self.loop.tokens)
         tok_s = (tokens - since[1]) / max(now - since[0], 1e-9)
-        norm = record.get("grad_norm", self._grad_norm())
+        norm = self.update_metrics.get("grad_norm")  # the last update's (a skipped spike applies none)
         line = {"step": self.loop.step, "loss": _read(record.get("loss")), "lr": self.lr(), "grad_norm": _read(norm),
                 "tokens_per_s": tok_s, "time": self.loop.elapsed}
         if self.flops_per_token and self.peak_flops:

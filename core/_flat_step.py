@@ -91,8 +91,9 @@ class FlatUpdate:
 
     grads_in = True  # grads come from the caller (make_step computes its own)
 
-    def __init__(self, transform: Any, pure: Callable, averaging: Any, options: dict) -> None:
+    def __init__(self, transform: Any, pure: Callable, averaging: Any, options: dict, *, metrics: bool = False) -> None:
         self.transform, self.pure, self.averaging, self.options = transform, pure, averaging, options
+        self.metrics = metrics  # `pure` returns its metrics last; the step hands them back
         self.bound: _Bound | None = None
         self.why_not: str | None = None  # why the last `plans` said no
         self._planned: tuple[list[int], Any] | None = None
@@ -182,13 +183,14 @@ class FlatUpdate:
         )
 
     def _compile(self, specs: list[pytree.TreeSpec], device: torch.device) -> Callable:
-        pure, averaging = self.pure, self.averaging
+        pure, averaging, metrics = self.pure, self.averaging, self.metrics
 
         def step(p, g, s, e):
             trees = [pytree.tree_unflatten(x, sp) for x, sp in zip((p, g, s, e), specs)]
             out = pure(trees[0], trees[1], trees[2], trees[3] if averaging is not None else None)
-            for dst, src in zip((p, s, e), out):
+            for dst, src in zip((p, s) + ((e,) if averaging is not None else ()), out):
                 _write_back(dst, src)
+            return out[-1] if metrics else None
 
         return _compile_own(step, self.options.get(device.type, {}))
 
@@ -223,8 +225,11 @@ class FlatUpdate:
             b = self.bound
         self._take_in_state(opt_state, ema_state)
         self._grads_in(self.local(grads))
-        _run(b, b.buffers)
+        out = _run(b, b.buffers)
         self.after_run()
+        if out is not None and b.graph is not None:  # a CUDA graph rewrites its outputs on every replay
+            out = pytree.tree_map(lambda x: x.clone() if isinstance(x, Tensor) else x, out)
+        return out
 
     def _take_in_state(self, opt_state: Any, ema_state: Any) -> None:
         b = self.bound

@@ -334,8 +334,8 @@ def _move_storage(user: Tensor, view: Tensor, room: int) -> bool:
 class ShardedUpdate(FlatUpdate):
     """`FlatUpdate` over this rank's FSDP2 shards (see the module docstring)."""
 
-    def __init__(self, transform: Any, pure: Callable, averaging: Any, options: dict) -> None:
-        super().__init__(transform, pure, averaging, options)
+    def __init__(self, transform: Any, pure: Callable, averaging: Any, options: dict, *, metrics: bool = False) -> None:
+        super().__init__(transform, pure, averaging, options, metrics=metrics)
         self.copy_back: list[tuple[Tensor, Tensor]] = []
 
     def local(self, tree: Any) -> Any:
@@ -446,7 +446,7 @@ class ShardedEager:
         p = Packed(pack, pytree.tree_leaves(local_tree(params)))
         g = Packed(pack, tr.check_match(local_tree(grads), local_tree(params), "grads", "params"))
         e = packed(ema_state, ema_spec, "ema_state") if self.averaging is not None else None
-        self.eager(p, g, packed(opt_state, state_spec, "opt_state"), e)
+        return self.eager(p, g, packed(opt_state, state_spec, "opt_state"), e)
 
 
 def _agree(ok: bool, params: Any, engine: Any) -> bool:

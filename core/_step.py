@@ -16,6 +16,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from . import _flat
+from . import _layout as lay
 from . import _lists as ls
 from . import _tree as tr
 from ._base import OptState, Params, PyTree, Transform, check_int
@@ -248,6 +249,27 @@ def _adopt_into(dst_tree: PyTree, src_tree: PyTree, what: str, taken: _Taken) ->
         _copy_into([d for d, _ in copies], [s for _, s in copies], what)
 
 
+def _update_metrics(grads: PyTree, new_state: OptState) -> Metrics:
+    """`make_update(..., metrics=True)`'s metrics, 0-d tensors and no host sync: `grad_norm`
+    (the global norm of the grads given, before any clipping; over FSDP2 shards, of the
+    whole grads), `lr` (as make_step's) and `skipped` (True when `apply_if_finite` skipped
+    this update; present when the transform holds exactly one)."""
+    if lay.is_packed(grads):  # flat buffers or this rank's shards: the reduction protocol's norm
+        norm = lay.global_norm(grads)
+    else:
+        norm = tr.tree_global_norm(grads)
+        if _sharded.is_dtensor(norm):  # whole DTensors (the per-leaf DTensor path)
+            norm = norm.full_tensor()
+    metrics: Metrics = {"grad_norm": norm}
+    lr = _lr_metric(new_state)
+    if lr is not None:
+        metrics["lr"] = lr
+    finite = [v for _, v in tr.find_all(new_state, "last_finite") if isinstance(v, Tensor)]
+    if len(finite) == 1:
+        metrics["skipped"] = torch.logical_not(finite[0])
+    return metrics
+
+
 def _lr_metric(opt_state: OptState) -> Tensor | None:
     """The lr the step used, when exactly one injected hyperparameter is called `lr`."""
     found = [hp["lr"] for _, hp in tr.find_all(opt_state, "hyperparams") if isinstance(hp, dict) and "lr" in hp]
@@ -292,13 +314,18 @@ def _maybe_compile(fn: Callable, compile: bool) -> Callable:
 
 
 def make_update(
-    optimizer: Transform, *, compile: bool = False, donate: bool = False, ema: Any = None, flat: bool = True
+    optimizer: Transform, *, compile: bool = False, donate: bool = False, ema: Any = None, flat: bool = True,
+    metrics: bool = False,
 ) -> Callable[..., tuple]:
     """The optimizer half of a step, for gradients from `loss.backward()`.
 
     `update(params, grads, opt_state) -> (params, opt_state)` applies `optimizer` once.
     With `ema=ps.params_ema(decay)` the averaged params are updated in the same call:
     `update(params, grads, opt_state, ema_state) -> (params, opt_state, ema_state)`.
+    With `metrics=True` a dict of 0-d tensors comes last, computed in the same call with no
+    host sync, as `make_step`'s: `grad_norm` (of the grads given, before any clipping; over
+    FSDP2 shards the whole grads'), `lr` (the injected `lr`, when the state holds exactly
+    one), `skipped` (whether `apply_if_finite` skipped this update, when it holds one).
     Clipping, weight decay, the step counter and the EMA then fuse into the same
     compiled kernels: one pass over memory instead of one per piece.
 
@@ -311,6 +338,7 @@ def make_update(
       ema: an `(init, update)` averaging pair such as `ps.params_ema(0.999)`, or None.
       flat: with `compile=True, donate=True`, run over flat buffers (below); False keeps
         one kernel per leaf.
+      metrics: also return the step's metrics (above), so a loop needs no look into the state.
 
     Eager donation (`donate=True` without compile) applies the update in place without
     materializing it where the transform has an in-place form (`with_in_place`): a
@@ -362,13 +390,15 @@ def make_update(
     """
     _check_optimizer(optimizer)
     averaging = _check_ema(ema)
+    if not isinstance(metrics, bool):
+        raise ValueError(f"metrics must be True or False, got {metrics!r}")
 
     def pure(params, grads, opt_state, ema_state=None):
+        # -> (params, opt_state[, ema_state][, metrics])
         tr.check_match(grads, params, "grads", "params")
         new_params, new_state, _ = _apply(optimizer, params, grads, opt_state)
-        if averaging is None:
-            return new_params, new_state
-        return new_params, new_state, averaging[1](ema_state, new_params)
+        out = (new_params, new_state) + (() if averaging is None else (averaging[1](ema_state, new_params),))
+        return out + ((_update_metrics(grads, new_state),) if metrics else ())
 
     def in_place(params, grads, opt_state, ema_state=None):
         out = pure(params, grads, opt_state, ema_state)
@@ -376,6 +406,7 @@ def make_update(
         _copy_into(opt_state, out[1], "opt_state")
         if averaging is not None:
             _copy_into(ema_state, out[2], "ema_state")
+        return out[-1] if metrics else None
 
     def eager_in_place(params, grads, opt_state, ema_state=None):
         # Uncompiled donation: the update goes into the params in place (`apply_in_place`:
@@ -387,17 +418,18 @@ def make_update(
         _adopt_into(opt_state, new_state, "opt_state", taken)
         if averaging is not None:
             _adopt_into(ema_state, averaging[1](ema_state, params), "ema_state", taken)
+        return _update_metrics(grads, opt_state) if metrics else None  # grads are only read
 
     inner = pure if not donate else in_place if compile else eager_in_place
     inner = _maybe_compile(inner, compile)
 
     def sharded():
         if compile:
-            return _sharded.ShardedUpdate(optimizer, pure, averaging, _FLAT_OPTIONS)
+            return _sharded.ShardedUpdate(optimizer, pure, averaging, _FLAT_OPTIONS, metrics=metrics)
         return _sharded.ShardedEager(optimizer, eager_in_place, averaging)
 
     engine = Engine(
-        flat=FlatUpdate(optimizer, pure, averaging, _FLAT_OPTIONS) if compile and flat else None,
+        flat=FlatUpdate(optimizer, pure, averaging, _FLAT_OPTIONS, metrics=metrics) if compile and flat else None,
         sharded=sharded if flat else None,
         per_leaf=inner,
         per_leaf_dtensor=in_place,  # eager: dynamo does not trace copies into DTensors
@@ -413,8 +445,8 @@ def make_update(
             return inner(params, grads, opt_state, *ema_state)
         run = engine.path_for(params, grads)
         with torch.no_grad():  # a donated update is never differentiated: record no graph
-            run(params, grads, opt_state, *ema_state)
-        return (params, opt_state, *ema_state)
+            out = run(params, grads, opt_state, *ema_state)
+        return (params, opt_state, *ema_state) + ((out,) if metrics else ())
 
     update.explain = engine.explain if donate else explain_pure
     update.layout = engine.layout

@@ -58,7 +58,7 @@ def run(name: str, compile: bool, flat: bool = True, mesh=None) -> float:
     opt = CASES[name]()
     params = dict(net.named_parameters())
     state = opt.init(params)
-    update = ps.make_update(opt, compile=compile, donate=True, flat=flat)
+    update = ps.make_update(opt, compile=compile, donate=True, flat=flat, metrics=True)
     ref_params = {k: p.detach().clone() for k, p in ref.named_parameters()}
     ref_state = opt.init(ref_params)
     pure = ps.make_update(opt)
@@ -73,7 +73,12 @@ def run(name: str, compile: bool, flat: bool = True, mesh=None) -> float:
             ref_grads["0.weight"][4, 0] = float("nan")
             if rank == 1:
                 grads["0.weight"].to_local()[1, 0] = float("nan")
-        update(params, grads, state)
+        metrics = update(params, grads, state)[-1]
+        if bool(metrics["skipped"]) != (step == 2):
+            raise AssertionError(f"{name} compile={compile} step {step}: skipped={bool(metrics['skipped'])}")
+        if step != 2 and not torch.allclose(metrics["grad_norm"], ps.tree_global_norm(ref_grads), rtol=1e-5):
+            raise AssertionError(f"{name} compile={compile} step {step}: grad_norm {float(metrics['grad_norm'])} "
+                                 f"is not one process's {float(ps.tree_global_norm(ref_grads))}")
         ref_params, ref_state = pure(ref_params, ref_grads, ref_state)
         net.zero_grad(set_to_none=False)
         for k, p in params.items():

@@ -289,7 +289,7 @@ class InjectHyperparamsState(NamedTuple):
     inner_state: OptState
 
 
-_ALWAYS_STATIC = ("mask", "labels", "weight_decay_mask", "trust_ratio_mask", "ns_coefficients", "base_shapes")
+_ALWAYS_STATIC = ("mask", "labels", "weight_decay_mask", "trust_ratio_mask", "ns_coefficients", "base_shapes", "batch_dims")
 
 
 def _injectable(value: Any) -> bool:

@@ -68,6 +68,11 @@ def scale_by_mars(
 
     def update(grads, state, params=None, **extra):
         lay.whole_leaves(grads, stacks=True)  # a norm per leaf: same-shape leaves stacked
+        narrow = any(x.dtype in (torch.bfloat16, torch.float16) for x in pytree.tree_leaves(grads))
+        if narrow and any(lay.stacked(grads)):
+            # inductor (torch 2.13, CPU) fails to compile this norm on stacks of 16-bit leaves
+            # ("KeyError: 'buf6'" in its outer-loop fusion): such params keep the per-leaf path.
+            raise lay.per_leaf_only("MARS on stacks of 16-bit leaves (an inductor 2.13 bug in its per-leaf norm)")
         beta1, beta2 = resolve(b1, state.count), resolve(b2, state.count)
         gs, wide, mu = lp.load_moments(grads, state.mu, params)
         nu = lp.load_moments(grads, state.nu, second=True)[2]

@@ -177,12 +177,13 @@ def leaf_batch_dims(tree: PyTree, batch_dims: Any) -> list[int]:
             values = [batch_dims(path, x) for path, x in pairs]
         elif isinstance(batch_dims, int):
             values = [batch_dims] * len(pairs)
-        else:
-            flat, spec = pytree.tree_flatten(batch_dims)
-            if spec != pytree.tree_structure(whole):
+        else:  # a tree of ints like the params, read by leaf path (a hybrid's Muon side sees some leaves)
+            given = dict(tr.tree_flatten_with_path(batch_dims)[0])
+            missing = [path for path, _ in pairs if path not in given]
+            if missing:
                 raise ValueError(f"batch_dims must be an int, a callable (path, leaf) -> int or a tree of ints shaped "
-                                 f"like the params; got a tree of {len(flat)} leaves for {len(pairs)} params")
-            values = flat
+                                 f"like the params; it has no entry for leaf '{missing[0]}'")
+            values = [given[path] for path, _ in pairs]
         for (path, x), b in zip(pairs, values):
             if isinstance(b, bool) or not isinstance(b, int) or b < 0 or x.dim() - b < 2:
                 raise ValueError(

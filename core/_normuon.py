@@ -162,9 +162,8 @@ def scale_by_normuon(
         o_norms, normed_norms = lay.leaf_norms(grads, orth if orth else normed, normed)
         dims = []
         for i, (x, b, extra, full) in enumerate(zip(normed, lead, batch, shapes)):
-            if extra:
-                keep = (math.prod(x.shape[:b]),) + (1,) * (x.dim() - b)
-                matrix_norm = lambda y: torch.linalg.vector_norm(y.reshape(keep[0], -1), dim=1).reshape(x.shape[:b] + keep[1:])  # noqa: E731
+            if extra:  # a norm per matrix: over its dims, keeping the batch dims (no flatten: a DTensor's too)
+                matrix_norm = lambda y: torch.linalg.vector_norm(y, dim=tuple(range(b, y.dim())), keepdim=True)  # noqa: E731
                 normed_norms[i] = matrix_norm(x)
                 if orth:
                     o_norms[i] = matrix_norm(orth[i])

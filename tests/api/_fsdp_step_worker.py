@@ -33,16 +33,34 @@ CASES = {
         {"a": ps.adopt(0.02, weight_decay=0.1), "l": ps.laprop(0.02, weight_decay=0.1),
          "c": ps.adamc(lambda t: 0.02 / (1 + t), weight_decay=0.1)},
         lambda p: {k: "alc"[i % 3] for i, k in enumerate(p)})),
+    "muon_batch_dims": lambda: ps.apply_if_finite(ps.muon_adamw(
+        lr=0.02, adamw_lr=0.01, ns_dtype=torch.float32, batch_dims=lambda path, x: int(x.dim() == 3), cautious_weight_decay=True)),
+    "normuon_batch_dims": lambda: ps.apply_if_finite(ps.normuon_adamw(
+        lr=0.02, adamw_lr=0.01, ns_dtype=torch.float32, batch_dims=lambda path, x: int(x.dim() == 3))),
 }
 COMPILED = ("adamw+clip+skip", "muon_adamw", "normuon_adamw", "prodigy")  # compile costs seconds per case
 
 
-def model() -> torch.nn.Module:
+class Experts(torch.nn.Module):
+    """3 expert matrices of 5 x 5 in one (3, 5, 5) leaf, summed: a leaf Muon sees as 3 matrices with batch_dims=1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(3, 5, 5) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(torch.einsum("bi,eij->bj", x, self.w))
+
+
+def model(experts: bool = False) -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(
         torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 5, bias=False), torch.nn.Tanh(),
-        torch.nn.Linear(5, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1),
+        *([Experts()] if experts else []), torch.nn.Linear(5, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1),
     )
+
+
+EXPERTS = ("muon_batch_dims", "normuon_batch_dims")  # the cases whose model has the experts leaf
 
 
 def run(name: str, compile: bool, flat: bool = True, mesh=None) -> float:
@@ -50,9 +68,9 @@ def run(name: str, compile: bool, flat: bool = True, mesh=None) -> float:
     from torch.distributed.fsdp import fully_shard
 
     rank = dist.get_rank() if mesh is None else mesh.get_local_rank("shard")  # the NaN goes to shard rank 1
-    ref, net = model(), model()
+    ref, net = model(name in EXPERTS), model(name in EXPERTS)
     for layer in net:
-        if isinstance(layer, torch.nn.Linear):
+        if isinstance(layer, (torch.nn.Linear, Experts)):
             fully_shard(layer, mesh=mesh)
     fully_shard(net, mesh=mesh)
     opt = CASES[name]()
@@ -97,7 +115,8 @@ def run(name: str, compile: bool, flat: bool = True, mesh=None) -> float:
                 raise AssertionError(f"{name} compile={compile}: the replicas differ in {k}")
     skipped = int(ps.tree_get(state, "total_notfinite"))
     assert skipped == 1, f"{name}: {skipped} skipped steps, expected the NaN step only"
-    assert update.explain().startswith("sharded" if flat else "per-leaf DTensor"), update.explain()
+    sharded = flat and name != "normuon_batch_dims"  # per-matrix norms of a batched leaf: whole DTensors
+    assert update.explain().startswith("sharded" if sharded else "per-leaf DTensor"), update.explain()
     assert mesh is None or not flat or "HSDP, 2 replicas x 2 shards" in update.explain(), update.explain()
     # A forward after the last update reads it: FSDP2 all-gathers from the flat buffers.
     x = torch.randn(4, 6, generator=gen)

@@ -391,7 +391,7 @@ def test_muon_batch_dims_as_a_tree_or_a_callable_and_bad_values_name_the_leaf():
     with pytest.raises(ValueError, match="'proj'"):
         ps.muon(0.05, batch_dims=1).init(params)  # (8, 4) with 1 batch dim leaves a vector
     with pytest.raises(ValueError, match="batch_dims"):
-        ps.muon(0.05, batch_dims={"experts": 1}).init(params)
+        ps.muon(0.05, batch_dims={"experts": 1}).init(params)  # no entry for proj
 
 
 def test_muon_adamw_batch_dims_compiled_on_flat_buffers_equals_eager_per_expert():
@@ -414,3 +414,17 @@ def test_muon_adamw_batch_dims_compiled_on_flat_buffers_equals_eager_per_expert(
     assert compiled.explain().startswith("flat"), compiled.explain()
     for k in params:
         torch.testing.assert_close(p[k], p_ref[k], rtol=1e-5, atol=1e-6)
+
+
+def test_muon_adamw_batch_dims_as_a_tree_of_every_param_or_injected_as_a_callable():
+    """A hybrid's Muon side sees only its leaves: a tree shaped like all the params is read
+    by leaf path; under inject_hyperparams a callable batch_dims stays static (not a schedule)."""
+    w, grads = _experts()
+    params = {"h.0.experts": w, "h.0.weight": w[0].clone(), "h.0.bias": torch.zeros(4, dtype=torch.float64)}
+    steps = [{"h.0.experts": g, "h.0.weight": g[1], "h.0.bias": g[2, 0]} for g in grads]
+    kw = dict(ns_dtype=torch.float64)
+    by_tree, _ = run_purestep(ps.muon_adamw(batch_dims={"h.0.experts": 1, "h.0.weight": 0, "h.0.bias": 0}, **kw), params, steps)
+    injected = ps.inject_hyperparams(ps.muon_adamw)(batch_dims=lambda path, x: int(x.dim() == 3), **kw)
+    by_fn, _ = run_purestep(injected, params, steps)
+    for k in params:
+        torch.testing.assert_close(by_tree[-1][k], by_fn[-1][k], rtol=1e-12, atol=1e-12)

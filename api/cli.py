@@ -178,8 +178,15 @@ def inspect_checkpoint(path: Path) -> int:
 # --------------------------------------------------------------------------- #
 
 
+def _version() -> str:
+    import purestep
+
+    return purestep.__version__
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="purestep", description="Train with purestep.")
+    p.add_argument("--version", action="version", version=f"purestep {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     def run_flags(q: argparse.ArgumentParser) -> None:

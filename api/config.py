@@ -123,7 +123,7 @@ class TrainConfig(_Section):
     be ignored, so it is refused (a `ConfigError` naming the field); the one exception is
     `optimizer.clip_grad_norm`, which the Trainer chains in front of a given transform.
 
-    Example:
+    Examples:
         >>> from purestep.api import TrainConfig, apply_overrides
         >>> cfg = apply_overrides(TrainConfig(), ["optimizer.lr=1e-3", "strategy=ddp"])
         >>> cfg.optimizer.lr, cfg.strategy

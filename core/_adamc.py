@@ -84,7 +84,7 @@ def adamc(
         not the running max; the two agree when the schedule starts at its peak. Its ε is
         added before the bias correction of √v; here after it, as torch.optim.AdamW's.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> opt = ps.adamc(lr=lambda t: 0.1 / (1 + t), weight_decay=0.5)
         >>> params = {"w": torch.ones(2)}

@@ -148,7 +148,7 @@ def ademamix(
       mu_dtype, nu_dtype, rounding: how m₁, m₂ (`mu_dtype`) and ν (`nu_dtype`) are stored;
         see `adam`.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> opt = ps.ademamix(lr=0.1, alpha=0.0)  # α = 0: Adam's first step
         >>> params = {"w": torch.ones(2)}

@@ -115,7 +115,7 @@ def adopt(
       weight_decay: decoupled, applied as AdamW's (optax's adopt has none).
       mu_dtype, nu_dtype, rounding: how m and ν are stored; see `adam`.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> opt = ps.adopt(lr=0.1)
         >>> params = {"w": torch.ones(2)}

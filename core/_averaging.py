@@ -85,7 +85,7 @@ def params_ema(decay: ScalarOrSchedule = 0.999, *, dtype: torch.dtype | None = N
       `Averager(init, update)`: `avg = init(params)`, `avg = update(avg, params)`;
       the averaged params are `avg.params`.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> ema = ps.params_ema(0.5)
         >>> avg = ema.init({"w": torch.zeros(1)})
@@ -119,7 +119,7 @@ def params_swa(*, dtype: torch.dtype | None = None) -> Averager:
       CUDA; this lerps with 1/n computed in float64 (one fused kernel), which equals
       the CPU result to rounding and is the more exact of the two for float64 params.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> swa = ps.params_swa()
         >>> avg = swa.init({"w": torch.zeros(1)})

@@ -46,7 +46,7 @@ class Transform(NamedTuple):
       update the leaves of `state` in place (the caller gives the old state up) and
       only reads `grads`. `chain`, `inject_hyperparams` and `scale_by_adam` have one.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> t = ps.scale(-0.1)
         >>> params = {"w": torch.ones(2)}
@@ -173,7 +173,7 @@ def once(x: Tensor) -> Tensor:
     code, for tensors that are not 0-d, and for values autograd records (a meta-gradient
     through a compiled step flows through the plain expression).
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> t = torch.tensor(3, dtype=torch.int64)
         >>> ps.once(1.0 - 0.9 ** t.double())

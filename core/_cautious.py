@@ -55,7 +55,7 @@ def cautious(transform: Transform, *, before_lr: bool = False, rescale: str = "c
         The per-leaf count is a reduction over each leaf, so under `make_update` with
         flat buffers the leaves are grouped whole (stacks of same-shape leaves).
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> t = ps.cautious(ps.sgd(lr=1.0))
         >>> g = {"w": torch.tensor([1.0, -2.0, 3.0])}
@@ -123,7 +123,7 @@ def cautious_adamw(
         (η·√(1-β₂ᵗ)/(1-β₁ᵗ) · m/(√v + ε)); here ε is added after it, as torch.optim.AdamW
         does. The two differ where √v̂ is within a few ε of 0.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> opt = ps.cautious_adamw(lr=0.1, weight_decay=0.0)
         >>> params = {"w": torch.ones(3)}

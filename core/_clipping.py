@@ -59,7 +59,7 @@ def clip_by_global_norm(max_norm: float | Tensor) -> Transform:
     Args:
       max_norm: the largest global norm let through (> 0).
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> t = ps.clip_by_global_norm(1.0)
         >>> g = {"w": torch.tensor([3.0, 4.0])}
@@ -92,7 +92,7 @@ def _clamp(xs: list[Tensor], lo: float | Tensor, hi: float | Tensor) -> list[Ten
 def clip_by_value(max_abs: float | Tensor) -> Transform:
     """Clamp every grad element to [-max_abs, max_abs], = `torch.nn.utils.clip_grad_value_`.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> t = ps.clip_by_value(0.5)
         >>> g = {"w": torch.tensor([-2.0, 0.1, 3.0])}
@@ -148,7 +148,7 @@ def adaptive_clip(clipping: float = 0.01, eps: float = 1e-3, *, axis: int | tupl
       dim 0; here they reduce over dims 1.. (torch's (out, in) / OIHW), so the units
       are the same neurons. Pass `axis=0` for optax's default on a 2-D leaf.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> t = ps.adaptive_clip(0.1)
         >>> p, g = {"w": torch.ones(2, 2)}, {"w": torch.tensor([[3.0, 4.0], [0.01, 0.0]])}
@@ -220,7 +220,7 @@ def clip_by_running_norm(factor: float = 2.0, beta: float = 0.99, warmup_steps: 
       A non-finite grad poisons the average; wrap the optimizer in
       `apply_if_finite` so such steps leave the state unchanged.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> t = ps.clip_by_running_norm(factor=2.0, beta=0.5, warmup_steps=1)
         >>> s = t.init({"w": torch.zeros(1)})

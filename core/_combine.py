@@ -32,7 +32,7 @@ from ._base import (
 def identity() -> Transform:
     """The transform that returns its grads unchanged.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> t = ps.identity()
         >>> t.update({"w": torch.ones(1)}, t.init({"w": torch.ones(1)}))[0]
@@ -72,7 +72,7 @@ def _fold(a: Any, b: Any, x: Any, y: Any) -> tuple[Any, Any]:
 def chain(*transforms: Transform) -> Transform:
     """Apply `transforms` in order; the state is the tuple of their states.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> t = ps.chain(ps.scale(2.0), ps.scale(-0.5))
         >>> t.update({"w": torch.ones(1)}, t.init({"w": torch.ones(1)}))[0]
@@ -190,7 +190,7 @@ def masked(inner: Transform, mask: Any) -> Transform:
       inner: the transform to apply.
       mask: a bool pytree with the structure of params, or `callable(params) -> bool pytree`.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> t = ps.masked(ps.scale(0.0), {"w": True, "b": False})
         >>> p = {"w": torch.ones(1), "b": torch.ones(1)}
@@ -231,7 +231,7 @@ def partition(transforms: Mapping[str, Transform], labels: Any) -> Transform:
       transforms: label -> transform.
       labels: a str pytree with the structure of params, or `callable(params) -> str pytree`.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> t = ps.partition({"a": ps.scale(2.0), "b": ps.scale(0.0)}, {"w": "a", "v": "b"})
         >>> p = {"w": torch.ones(1), "v": torch.ones(1)}
@@ -312,7 +312,7 @@ def inject_hyperparams(factory: Callable[..., Transform], *, static_args: tuple[
     static. Schedules are evaluated at the update count each step, and the value used
     is kept in `state.hyperparams`; change a constant one with `set_hyperparam`.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> opt = ps.inject_hyperparams(ps.sgd)(lr=0.1)
         >>> state = opt.init({"w": torch.ones(1)})
@@ -390,7 +390,7 @@ def get_hyperparams(state: OptState) -> dict[str, Any]:
     injected optimizers) is qualified by its state path, `<path>.<name>`; `set_hyperparam`
     takes the same keys.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> state = ps.inject_hyperparams(ps.adamw)(lr=1e-3).init({"w": torch.zeros(2)})
         >>> sorted(ps.get_hyperparams(state)), ps.get_hyperparams(state)["lr"]
@@ -462,7 +462,7 @@ def apply_if_finite(inner: Transform, max_consecutive: int | None = None) -> Tra
         Unlike `optax.apply_if_finite`, which looks at the grads only, the new inner state
         is checked too (one extra read of it per step).
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> opt = ps.apply_if_finite(ps.adam(1e-3))
         >>> params = {"w": torch.zeros(2)}

@@ -47,7 +47,7 @@ def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0, mask: Any = None, 
         the decay only where the incoming direction u already moves p toward 0 (the step
         is -η·u), so decay never fights the optimizer.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> t = ps.add_decayed_weights(0.5)
         >>> p = {"w": torch.full((1,), 2.0)}
@@ -142,7 +142,7 @@ def decay_mask(params: Params, exclude_embeddings: bool = True) -> PyTree:
       params: a params tree; names are the dotted leaf paths (`named_parameters()` names).
       exclude_embeddings: also exempt embedding tables (the usual GPT/LLaMA recipe).
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> params = {"wte.weight": torch.zeros(10, 4), "h.0.attn.weight": torch.zeros(4, 4),
         ...           "h.0.attn.bias": torch.zeros(4), "h.0.ln_1.weight": torch.zeros(4)}
@@ -172,7 +172,7 @@ def layerwise_lr_decay(params: Params, decay: float) -> PyTree:
       params: a params tree with `named_parameters()`-style dotted names.
       decay: the per-layer factor, in (0, 1] (1 turns LLRD off).
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> params = {"embed.weight": torch.zeros(1), "layers.0.w": torch.zeros(1),
         ...           "layers.1.w": torch.zeros(1), "head.w": torch.zeros(1)}
@@ -222,7 +222,7 @@ def scale_per_leaf(multipliers: Any) -> Transform:
         names and shapes are the params'), e.g. `lambda g: ps.layerwise_lr_decay(g, 0.8)`.
         Put it before `scale_by_lr` in a chain so it scales the lr of each leaf.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> t = ps.scale_per_leaf({"a": 0.5, "b": 2.0})
         >>> g = {"a": torch.ones(1), "b": torch.ones(1)}

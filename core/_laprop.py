@@ -157,7 +157,7 @@ def laprop(
         pytorch_optimizer's `LaProp(centered=False)` adds ε to √ν before the bias
         correction, g / ((√ν + ε)/√(1-β₂ᵗ)); here ε is added after it, as Adam's.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> opt = ps.laprop(lr=0.1)
         >>> params = {"w": torch.ones(2)}

@@ -53,7 +53,7 @@ def dynamic_loss_scale(
       `LossScaler(init, scale_loss, unscale)`; `init(params=None)` puts the state on
       the device of the first leaf of `params` (CPU without).
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> ls = ps.dynamic_loss_scale(init_scale=8.0, growth_interval=1)
         >>> s = ls.init()

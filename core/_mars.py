@@ -131,7 +131,7 @@ def mars(
         pytorch_optimizer's `MARS(mars_type="adamw", optimize_1d=True)` adds ε to √v before
         the bias correction, m̂ / ((√v + ε)/√(1-β₂ᵗ)); here ε is added after it, as AdamW's.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> opt = ps.mars(lr=0.1)
         >>> params = {"w": torch.ones(4)}

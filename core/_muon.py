@@ -276,7 +276,7 @@ def scale_by_muon(
         as close to a float64 Newton-Schulz as real bf16 is, and much faster on such CPUs
         (benchmarks/results/2026-11-23-muon-cpu.md). Pass `emulate_bf16=False` for real bf16 matmuls (the slow path on such CPUs).
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> t = ps.scale_by_muon(ns_dtype=torch.float32)
         >>> g = {"w": torch.eye(3)}
@@ -341,7 +341,7 @@ def muon_labels(params: Params) -> PyTree:
     `score`, `unembed` or `readout` outside any numbered block (`layers.3.`) → "adamw"
     (the output head); every other matrix, conv filters included (`patch_embed.proj`) → "muon".
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> params = {"wte.weight": torch.zeros(10, 4), "h.0.attn.weight": torch.zeros(4, 4),
         ...           "h.0.ln_1.weight": torch.zeros(4), "lm_head.weight": torch.zeros(10, 4)}
@@ -403,7 +403,7 @@ def muon(
         Jordan's. Leaves with more than 2 dims (conv filters) are orthogonalized as
         shape[0] × prod(rest) matrices (torch refuses them); 0-D/1-D leaves raise — use `muon_adamw`.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> opt = ps.muon(lr=0.1, ns_dtype=torch.float32)
         >>> params = {"w": torch.zeros(2, 2)}
@@ -465,7 +465,7 @@ def muon_adamw(
       mu_dtype, nu_dtype, rounding: how the momenta are stored (see `adam`): `mu_dtype` for
         Muon's momentum and AdamW's m, `nu_dtype` for AdamW's v.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> opt = ps.muon_adamw()
         >>> params = {"h.0.weight": torch.zeros(4, 4), "h.0.bias": torch.zeros(4)}

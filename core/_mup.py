@@ -150,7 +150,7 @@ def mup_lr_multipliers(params: Params, base_shapes: Any, *, optimizer: str = "ad
         it); see the README's recipe. Leaves with more than 2 width dims raise, as mup's
         optimizers do.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> params = {"embed": torch.zeros(256, 512), "h.0.w": torch.zeros(512, 512), "head": torch.zeros(10, 512)}
         >>> base = {"embed": (256, 128), "h.0.w": (128, 128), "head": (10, 128)}
@@ -241,7 +241,7 @@ def mup_adamw(
         Only the optimizer side of μP: the readout multiplier, attention scaling and
         init stay the model's (`mup.MuReadout`, `mup.set_base_shapes`); see the README.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> params = {"h.0.w": torch.zeros(8, 8), "h.0.b": torch.zeros(8)}
         >>> opt = ps.mup_adamw(lr=0.1, base_shapes={"h.0.w": (4, 4), "h.0.b": (4,)})
@@ -283,7 +283,7 @@ def mup_sgd(
     Args:
       base_shapes: the base model's shapes, required; see `mup_lr_multipliers`.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> params = {"embed": torch.zeros(10, 8)}
         >>> opt = ps.mup_sgd(lr=0.1, base_shapes={"embed": (10, 4)})

@@ -92,7 +92,7 @@ def scale_by_normuon(
     summed across ranks. `batch_dims` as `scale_by_muon`'s: each of a leaf's matrices has its
     own rows' v and its own norm (under FSDP2 such leaves run on whole DTensors).
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> t = ps.scale_by_normuon(ns_dtype=torch.float32)
         >>> g = {"w": torch.eye(3)}
@@ -227,7 +227,7 @@ def normuon(
     Warning:
         Leaves with fewer than 2 dims raise: use `normuon_adamw`.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> opt = ps.normuon(lr=0.1, ns_dtype=torch.float32)
         >>> params = {"w": torch.zeros(2, 2)}
@@ -278,7 +278,7 @@ def normuon_adamw(
     `nu_dtype` AdamW's v (NorMuon's per-row v stays float32), rounded as `rounding` says (see
     `adam`).
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> opt = ps.normuon_adamw()
         >>> params = {"h.0.weight": torch.zeros(4, 4), "h.0.bias": torch.zeros(4)}

@@ -66,7 +66,7 @@ def sgd(
       accumulator_dtype, rounding: the dtype b is stored in (optax's name) and how it is
         rounded there; see `adam`'s `mu_dtype`.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> opt = ps.sgd(lr=0.1, momentum=0.9)
         >>> params = {"w": torch.ones(2)}
@@ -129,7 +129,7 @@ def adam(
         With 16-bit params torch.optim runs the math in the params' dtype; here it runs
         in float32 (with float16, eps = 1e-8 would round to 0 and a zero grad give NaN).
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> opt = ps.adam(lr=0.1)
         >>> params = {"w": torch.ones(2)}
@@ -174,7 +174,7 @@ def adamw(
         Cautious Weight Decay); see `add_decayed_weights`.
       mu_dtype, nu_dtype, rounding: how m and v are stored; see `adam`.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> opt = ps.adamw(lr=0.1, weight_decay=0.0)
         >>> params = {"w": torch.ones(2)}
@@ -209,7 +209,7 @@ def lion(
       cautious_weight_decay: decay only where sign(u) = sign(p) (Chen et al. 2025); see `adamw`.
       mu_dtype, rounding: how m is stored; see `adam`.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> opt = ps.lion(lr=0.1)
         >>> params = {"w": torch.ones(2)}
@@ -237,7 +237,7 @@ def lamb(
     r = m̂ / (√v̂ + ε) + λ·p;  p ← p - η · (‖p‖ / ‖r‖) · r  (ratio 1 where a norm is 0),
     with m̂, v̂ as in `adam`, η = `lr`, λ = `weight_decay` (where `mask`).
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> opt = ps.lamb(lr=0.1)
         >>> params = {"w": torch.full((4,), 2.0)}
@@ -279,7 +279,7 @@ def lars(
         As in optax, momentum accumulates lr-scaled updates, so an lr schedule acts on
         the buffer's inputs, not on its output.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> opt = ps.lars(lr=1.0, trust_coefficient=1.0)
         >>> params = {"w": torch.full((4,), 2.0)}
@@ -329,7 +329,7 @@ def schedule_free_adamw(
     Warning:
         No train()/eval() modes: params stay y; x is an explicit output.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> opt = ps.schedule_free_adamw(lr=0.1, warmup_steps=10)
         >>> y = {"w": torch.ones(2)}
@@ -370,7 +370,7 @@ def sophia(
         The refresh happens inside the update that receives `hessian` (the official loop
         calls `update_hessian()` after the step), and updates without one keep h.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> opt = ps.sophia(lr=0.1, weight_decay=0.0)
         >>> params = {"w": torch.ones(2)}

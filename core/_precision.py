@@ -167,7 +167,7 @@ def stochastic_round(x: Tensor, dtype: torch.dtype, key: Tensor | int) -> Tensor
         (fp8 saturates at its largest finite value).
       key: a 0-d int64 tensor or an int.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> x = torch.full((100_000,), 1.0 + 2**-10)  # a quarter of the way from 1 to the next bf16
         >>> r = ps.stochastic_round(x, torch.bfloat16, key=0)
@@ -214,7 +214,7 @@ def quantize_blockwise(
     the block's absmax, 2⁻⁴ (e4m3) or 2⁻³ (e5m2) for the largest values, finer below.
     With `key`, codes are rounded stochastically (unbiased) instead of to nearest.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> x = torch.linspace(-1, 1, 1000)
         >>> q = ps.quantize_blockwise(x)
@@ -403,7 +403,7 @@ def compensated_updates(*, method: str = "kahan") -> Transform:
         (`ps.apply_updates`, `make_step`, `make_update` do); anything between this
         transform and the addition breaks the bookkeeping.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> opt = ps.chain(ps.sgd(lr=1.0), ps.compensated_updates())
         >>> p = {"w": torch.ones(1, dtype=torch.bfloat16)}

@@ -79,7 +79,7 @@ def prodigy(
         ranks (one collective), so d is the same on every rank and equals one process's.
         Where ‖s‖₁ = 0 (every grad zero so far) d is kept, where optax's would be NaN.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> opt = ps.prodigy()
         >>> params = {"w": torch.ones(2)}

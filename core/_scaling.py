@@ -36,7 +36,7 @@ from ._base import (
 def scale(factor: float | Tensor) -> Transform:
     """Multiply updates by a constant `factor`.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> t = ps.scale(-2.0)
         >>> t.update({"w": torch.ones(1)}, t.init({"w": torch.ones(1)}))[0]
@@ -70,7 +70,7 @@ def scale_by_lr(lr: ScalarOrSchedule) -> Transform:
 
     A schedule is evaluated at the number of updates already applied.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> t = ps.scale_by_lr(lambda step: 0.1 * (step + 1))
         >>> p = {"w": torch.ones(1)}

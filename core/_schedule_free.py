@@ -71,7 +71,7 @@ def schedule_free(
     it uses: it sets the averaging weights `(t+1)ʳ · max_lr^weight_lr_power`.
     Params passed to `update` are the training params y.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> t = ps.schedule_free(ps.chain(ps.scale_by_adam(0.0), ps.scale_by_lr(0.1)), lr=0.1)
         >>> p = {"w": torch.zeros(2)}
@@ -146,7 +146,7 @@ def schedule_free_eval_params(state: OptState, params: Params) -> Params:
     `state` is any optimizer state holding a `ScheduleFreeState` (a `chain`, `partition`,
     ... of one); leaves no schedule-free state covers are returned as they are.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> opt = ps.schedule_free_adamw(lr=0.1)
         >>> y = {"w": torch.zeros(2)}

@@ -74,7 +74,7 @@ def _lin_anneal(start: float, end: float, pct: Tensor) -> Tensor:
 def constant_schedule(value: float) -> Schedule:
     """The schedule that is `value` at every step.
 
-    Example:
+    Examples:
         >>> import purestep.core as ps
         >>> ps.constant_schedule(0.1)(1000)
         0.1
@@ -95,7 +95,7 @@ def linear_schedule(init: float, end: float, steps: int, *, begin: int = 0) -> S
       steps: the length of the ramp (optax's `transition_steps`).
       begin: the step where the ramp starts (optax's `transition_begin`).
 
-    Example:
+    Examples:
         >>> import purestep.core as ps
         >>> ps.linear_schedule(1.0, 0.0, steps=4)(1)
         0.75
@@ -115,7 +115,7 @@ def cosine_schedule(init: float, steps: int, final: float = 0.0) -> Schedule:
       `CosineAnnealingLR` keeps following the cosine past `T_max` (the lr rises
       again); this schedule stays at `final`, as optax's cosine decay does.
 
-    Example:
+    Examples:
         >>> import purestep.core as ps
         >>> ps.cosine_schedule(1.0, steps=10, final=0.0)(5)
         0.5
@@ -138,7 +138,7 @@ def warmup_cosine_schedule(
     v(t) = init + (peak - init)·t/W for t < W;  then final + (peak - final)·(1 + cos(π·τ))/2 with
     τ = min(t - W, T - W)/(T - W), W = `warmup_steps`, T = `total_steps` (the whole run, warmup included).
 
-    Example:
+    Examples:
         >>> import purestep.core as ps
         >>> s = ps.warmup_cosine_schedule(1.0, warmup_steps=2, total_steps=12)
         >>> [round(s(t), 3) for t in (0, 1, 2, 7, 12, 20)]
@@ -182,7 +182,7 @@ def wsd_schedule(
     "linear": peak - (peak - final)·τ, "cosine": final + (peak - final)·(1 + cos(π·τ))/2,
     "sqrt": peak - (peak - final)·√τ. `final` from T on.
 
-    Example:
+    Examples:
         >>> import purestep.core as ps
         >>> s = ps.wsd_schedule(1.0, warmup_steps=2, total_steps=10, decay_steps=4)
         >>> [s(t) for t in (0, 1, 2, 5, 6, 8, 10)]
@@ -227,7 +227,7 @@ def inverse_sqrt_schedule(peak: float, warmup_steps: int, *, init: float = 0.0) 
 
     v(t) = init + (peak - init)·t/W for t < W, peak·√(W/t) from t = W = `warmup_steps` on.
 
-    Example:
+    Examples:
         >>> import purestep.core as ps
         >>> s = ps.inverse_sqrt_schedule(1.0, warmup_steps=4)
         >>> [s(t) for t in (0, 2, 4, 16)]
@@ -252,7 +252,7 @@ def piecewise_constant_schedule(init: float, boundaries_and_scales: Mapping[int,
 
     v(t) = init · Π_{b ≤ t} scale_b.
 
-    Example:
+    Examples:
         >>> import purestep.core as ps
         >>> s = ps.piecewise_constant_schedule(1.0, {3: 0.5, 6: 0.1})
         >>> [s(t) for t in (0, 2, 3, 5, 6)]
@@ -278,7 +278,7 @@ def piecewise_constant_schedule(init: float, boundaries_and_scales: Mapping[int,
 def join_schedules(schedules: Sequence[Callable], boundaries: Sequence[int]) -> Schedule:
     """Run `schedules[i]` from `boundaries[i-1]` on, each restarted at step 0, = `optax.join_schedules`.
 
-    Example:
+    Examples:
         >>> import purestep.core as ps
         >>> s = ps.join_schedules([ps.linear_schedule(0.0, 1.0, 2), ps.constant_schedule(0.5)], [2])
         >>> [s(t) for t in (0, 1, 2, 9)]
@@ -367,7 +367,7 @@ def one_cycle_schedule(
       OneCycleLR extrapolates its last phase past T - 1 and refuses steps past T;
       this schedule stays at its final value.
 
-    Example:
+    Examples:
         >>> import purestep.core as ps
         >>> s = ps.one_cycle_schedule(1.0, total_steps=10, anneal="linear")
         >>> [round(s(t), 4) for t in (0, 2, 9)]
@@ -406,7 +406,7 @@ def one_cycle_momentum_schedule(
     to `max` while it falls (`three_phase`: flat at `max` in the third phase).
     Pass it as `momentum=` (sgd) or `betas=(schedule, β₂)` (adam).
 
-    Example:
+    Examples:
         >>> import purestep.core as ps
         >>> s = ps.one_cycle_momentum_schedule(10, anneal="linear")
         >>> [round(s(t), 4) for t in (0, 2, 9)]

@@ -179,7 +179,7 @@ def scale_by_soap(
     The first update sets the eigenbasis up and returns zeros. Runs per leaf (its state is
     not shaped like the params): `make_update` compiles it per leaf with `compile=True`.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> t = ps.scale_by_soap()
         >>> g = {"w": torch.randn(4, 3)}
@@ -349,7 +349,7 @@ def soap(
         `make_update` compiles it per leaf, not on flat buffers; under FSDP2 it runs on the
         whole DTensor leaves. Memory: two d × d matrices per preconditioned dimension.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> opt = ps.soap(1e-2)
         >>> params = {"w": torch.ones(3, 2)}

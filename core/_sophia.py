@@ -53,7 +53,7 @@ def scale_by_sophia(
     curvature EMA when the update count is a multiple of `update_every`; an update
     without `hessian` keeps the old estimate, and one passed on another update is ignored.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> t = ps.scale_by_sophia()
         >>> p = {"w": torch.ones(2)}
@@ -122,7 +122,7 @@ def gnb_hessian(
     Returns:
       A tree like params: B · ĝ², B the number of predictions (logits rows).
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> params = {"w": torch.zeros(3, 4)}
         >>> h = ps.gnb_hessian(lambda p, x: x @ p["w"], params, torch.eye(3), labels=torch.zeros(3, dtype=torch.long))

@@ -47,7 +47,7 @@ def functional_model(module: torch.nn.Module) -> tuple[Callable[..., tuple[Any, 
       detached from autograd that share storage with the module, so a `donate=True`
       step keeps the module up to date. Clone them for an independent copy.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> net = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
         >>> apply_fn, params, buffers = ps.functional_model(net)
@@ -83,7 +83,7 @@ def functional_ensemble(modules: Any) -> tuple[Callable[..., tuple[Any, dict]], 
         them records an autograd graph that grows with every step (meta-gradients need it,
         an ensemble does not); these params are detached copies instead.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> apply_fn, params, buffers = ps.functional_ensemble([torch.nn.Linear(3, 2) for _ in range(4)])
         >>> params["weight"].shape, params["weight"].requires_grad
@@ -378,7 +378,7 @@ def make_update(
     all-gathers from there). See the README's "Under FSDP2". `update.explain()` says which
     path runs and why; `update.layout()` shows the buffers.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> opt = ps.sgd(lr=0.5)
         >>> update = ps.make_update(opt, donate=True)
@@ -520,7 +520,7 @@ def make_step(
         the loss sees per-leaf views, and on CUDA the whole step is one CUDA-graph replay
         (the batch is copied into the graph's own input tensors; metrics are copies).
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> def loss_fn(params, batch):
         ...     x, y = batch

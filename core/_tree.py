@@ -31,7 +31,7 @@ def path_str(path: Sequence[Any]) -> str:
 def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
     """`fn(leaf, *other_leaves)` over every leaf of `tree` (and the same leaves of `rest`).
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> ps.tree_map(lambda m, g: 0.9 * m + g, {"w": torch.ones(2)}, {"w": torch.ones(2)})
         {'w': tensor([1.9000, 1.9000])}
@@ -42,7 +42,7 @@ def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
 def tree_leaves(tree: PyTree) -> list[Any]:
     """The leaves of `tree`, in flatten order.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> ps.tree_leaves({"b": torch.zeros(1), "a": (torch.ones(1), torch.ones(2))})
         [tensor([0.]), tensor([1.]), tensor([1., 1.])]
@@ -53,7 +53,7 @@ def tree_leaves(tree: PyTree) -> list[Any]:
 def tree_flatten(tree: PyTree) -> tuple[list[Any], pytree.TreeSpec]:
     """The leaves of `tree` and the spec that `tree_unflatten` rebuilds it from.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> leaves, spec = ps.tree_flatten({"w": torch.ones(2)})
         >>> ps.tree_unflatten([2 * x for x in leaves], spec)
@@ -65,7 +65,7 @@ def tree_flatten(tree: PyTree) -> tuple[list[Any], pytree.TreeSpec]:
 def tree_flatten_with_path(tree: PyTree) -> tuple[list[tuple[str, Any]], pytree.TreeSpec]:
     """Leaves with their dotted paths, and the spec to rebuild the tree.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> pairs, spec = ps.tree_flatten_with_path({"a": [torch.zeros(1), torch.ones(1)]})
         >>> [p for p, _ in pairs]
@@ -88,7 +88,7 @@ def tree_paths(tree: PyTree) -> list[str]:
 def tree_map_with_path(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
     """`fn(path, leaf, *other_leaves)` over every leaf; `path` is the dotted string.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> ps.tree_map_with_path(lambda path, x: x.dim() >= 2 and "bias" not in path,
         ...                       {"fc.weight": torch.ones(2, 2), "fc.bias": torch.ones(2)})
@@ -100,7 +100,7 @@ def tree_map_with_path(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> P
 def tree_zeros_like(tree: PyTree) -> PyTree:
     """A tree of zeros shaped and typed like `tree` (a momentum buffer at init).
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> ps.tree_zeros_like({"w": torch.ones(2, dtype=torch.float64)})
         {'w': tensor([0., 0.], dtype=torch.float64)}
@@ -235,7 +235,7 @@ def tree_get(tree: PyTree, name: str) -> Any:
 
     Raises `KeyError` listing the candidates when it is missing or ambiguous.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> opt = ps.adam(1e-3)
         >>> state = opt.init({"w": torch.zeros(3)})
@@ -263,7 +263,7 @@ def _replace(node: Any, path: tuple, value: Any) -> Any:
 def tree_set(tree: PyTree, name: str, value: Any) -> PyTree:
     """A copy of `tree` with the unique field or entry called `name` replaced by `value`.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> state = ps.adam(1e-3).init({"w": torch.zeros(3)})
         >>> ps.tree_get(ps.tree_set(state, "count", torch.tensor(5)), "count")
@@ -299,7 +299,7 @@ def step_count(state: PyTree) -> Tensor:
         constant lr and no momentum keeps no state); wrap it in
         `ps.inject_hyperparams(...)` to count.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> opt = ps.chain(ps.clip_by_running_norm(), ps.adamw(lr=ps.cosine_schedule(1e-3, 100)))
         >>> params = {"w": torch.zeros(2)}
@@ -341,7 +341,7 @@ def find_all(tree: PyTree, name: str) -> list[tuple[tuple, Any]]:
 def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     """New params `p + u`, each cast back to its param's dtype.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> ps.apply_updates({"w": torch.ones(2)}, {"w": torch.full((2,), -0.5)})
         {'w': tensor([0.5000, 0.5000])}

@@ -98,7 +98,7 @@ def save_checkpoint(
       CheckpointError: the directory cannot be written (disk full, read-only), in one
         line naming it; earlier checkpoints are untouched.
 
-    Example:
+    Examples:
         >>> import tempfile, torch
         >>> from purestep.api import save_checkpoint, load_checkpoint
         >>> d = tempfile.mkdtemp()
@@ -197,7 +197,7 @@ class CheckpointManager:
         otherwise rank 0 writes plain files (DTensor leaves gathered first). Loading reads
         either layout into any world.
 
-    Example:
+    Examples:
         >>> import tempfile, torch
         >>> from purestep.api.checkpoint import CheckpointManager
         >>> run = CheckpointManager(tempfile.mkdtemp(), keep_last=2)

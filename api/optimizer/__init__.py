@@ -72,7 +72,7 @@ class Optimizer(torch.optim.Optimizer):
         again: copy new values in instead (`p.copy_(new)` under `torch.no_grad()`). As in
         torch.optim, `state_dict()` returns references to the live state tensors.
 
-    Example:
+    Examples:
         >>> import torch, purestep.core as ps
         >>> from purestep.api import Optimizer
         >>> model = torch.nn.Linear(3, 1)

@@ -13,7 +13,7 @@ with the invariant's name and carries hypothesis's minimal counterexample.
 This module needs hypothesis (`pip install hypothesis`); `purestep.core` does not
 import it.
 
-Example:
+Examples:
     >>> import purestep.core as ps
     >>> from purestep.core.testing import check_transform
     >>> check_transform(lambda: ps.adamw(1e-2), max_examples=5)
@@ -138,10 +138,10 @@ def check_transform(
         values are the same on every device), e.g. "cuda".
 
     Raises:
-      InvariantError (an AssertionError) naming the invariant, with hypothesis's
-      minimal counterexample in the message.
+      InvariantError: an AssertionError naming the invariant, with hypothesis's minimal
+        counterexample in the message.
 
-    Example:
+    Examples:
         >>> import purestep.core as ps
         >>> from purestep.core.testing import check_transform
         >>> check_transform(lambda: ps.sgd(0.1, momentum=0.9), max_examples=5)
@@ -393,7 +393,7 @@ def check_decoupled_decay(
     requires `u(p) - u(0) = c·p`; with `coefficient` (e.g. `-lr·weight_decay`) c must equal it
     on every decayed leaf. Keywords as `check_transform` (steps, matrices_only, extra, ...).
 
-    Example:
+    Examples:
         >>> import purestep.core as ps
         >>> from purestep.core.testing import check_decoupled_decay
         >>> check_decoupled_decay(lambda: ps.adamw(0.1, weight_decay=0.1), coefficient=-0.01, max_examples=5)
@@ -457,7 +457,7 @@ def check_scale_invariance(
     Grads are normal or all-zero (tiny grads are where eps dominates, by design).
     Keywords as `check_transform`.
 
-    Example:
+    Examples:
         >>> import purestep.core as ps
         >>> from purestep.core.testing import check_scale_invariance
         >>> check_scale_invariance(lambda: ps.adam(1e-2), max_examples=5)
@@ -498,7 +498,7 @@ def check_bounded_updates(
     optimizers: bound = lr; Sophia: lr). Params are zero, so decoupled decay adds nothing.
     Keywords as `check_transform`.
 
-    Example:
+    Examples:
         >>> import purestep.core as ps
         >>> from purestep.core.testing import check_bounded_updates
         >>> check_bounded_updates(lambda: ps.lion(1e-3, weight_decay=0.1), bound=1e-3, max_examples=5)
@@ -542,7 +542,7 @@ def check_schedule(
     "continuity" (with `continuous`, no step changes the value by more than
     `jump_factor` times both neighbouring steps' changes: phases join without a jump).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from purestep.core.testing import check_schedule
         >>> warmup = lambda t: torch.clamp(torch.as_tensor(t, dtype=torch.float64) / 10, max=1.0)

@@ -102,7 +102,7 @@ def param_trees(
     """Params trees `{"p0": tensor, ...}`: ranks `min_rank..max_rank`, sides `1..max_side`
     (size-1 dims included), dtypes from `dtypes`, values N(0, 1) (or all zero, a bias at init).
 
-    Example:
+    Examples:
         >>> from hypothesis import given
         >>> from purestep.core.testing import param_trees
         >>> @given(param_trees(max_rank=2))
@@ -148,7 +148,7 @@ def hyperparams(*names: str, **strategies: st.SearchStrategy) -> st.SearchStrate
     eps (1e-10..1e-6, log), betas ((0..0.99), (0.9..0.9999)); any other name takes a
     strategy as a keyword.
 
-    Example:
+    Examples:
         >>> from hypothesis import strategies as st
         >>> from purestep.core.testing import hyperparams
         >>> hp = hyperparams("lr", "betas", weight_decay=st.just(0.0))

@@ -1,0 +1,48 @@
+"""The documentation covers the public API: every name of `purestep.core.__all__`,
+`purestep.api.__all__` and the testing kit has an entry in docs/api/, under its public
+path, and the nav lists every page (the site itself is built by the README's docs command)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import purestep.api
+import purestep.core
+import purestep.core.testing
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _entries() -> set[str]:
+    text = "\n".join(p.read_text() for p in (ROOT / "docs" / "api").glob("*.md"))
+    return set(re.findall(r"^::: (purestep\.[\w.]+)$", text, re.M))
+
+
+def test_every_public_name_has_an_api_entry_under_its_public_path():
+    entries = _entries()
+    for module in (purestep.core, purestep.api, purestep.core.testing):
+        missing = [n for n in module.__all__ if f"{module.__name__}.{n}" not in entries]
+        assert not missing, f"no docs/api entry for {module.__name__}: {missing}"
+    public = {f"{m.__name__}.{n}" for m in (purestep.core, purestep.api, purestep.core.testing) for n in m.__all__}
+    assert entries <= public, f"entries that are no public name: {sorted(entries - public)}"
+
+
+def test_the_nav_lists_every_page():
+    nav = (ROOT / "mkdocs.yml").read_text()
+    pages = {str(p.relative_to(ROOT / "docs")) for p in (ROOT / "docs").rglob("*.md")}
+    missing = [p for p in sorted(pages) if f": {p}" not in nav]
+    assert not missing, f"pages not in mkdocs.yml's nav: {missing}"
+
+
+def test_version_and_module_entry_points():
+    import subprocess
+    import sys
+
+    import purestep
+
+    assert re.fullmatch(r"\d+\.\d+\.\d+", purestep.__version__)
+    out = subprocess.run([sys.executable, "-m", "purestep", "--version"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == f"purestep {purestep.__version__}", out.stdout + out.stderr
+    for package in ("purestep", "purestep.core", "purestep.api"):
+        assert (Path(__import__(package, fromlist=["x"]).__file__).parent / "py.typed").is_file(), package

@@ -425,6 +425,9 @@ class Optimizer(torch.optim.Optimizer):
             g.state = new
             g.refresh()
             group.update({k: v for k, v in trial.items() if k not in ("params", "param_names")})
+            saved = saved_groups[index]
+            if "param_names" in saved and "param_names" not in group:  # a named state_dict names an unnamed group, as torch's
+                group["param_names"] = list(saved["param_names"])
             self._push(group, g, index)
             for p in group["params"]:  # what code put there before is replaced by what was saved
                 dict.pop(self.state, p, None)

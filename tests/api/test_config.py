@@ -402,3 +402,14 @@ def test_fourth_release_optimizers_build_from_their_names_and_kwargs():
     with pytest.raises(ConfigError) as e:
         apply_overrides(TrainConfig(), ["optimizer.name=mars", "optimizer.kwargs={}", "optimizer.kwargs.gamma=-1"]).build_optimizer()
     assert e.value.field == "optimizer.kwargs.gamma"
+
+
+def test_a_mask_labels_or_batch_dims_kwarg_of_the_wrong_kind_names_the_field_and_the_file(tmp_path):
+    for key, value in (("mask", "2"), ("labels", "3.5"), ("batch_dims", "true"), ("mask", '"no_such_function"')):
+        path = tmp_path / f"{key}.toml"
+        path.write_text(f'steps = 2\n[optimizer]\nname = "muon_adamw"\nlr = 0.01\n[optimizer.kwargs]\n{key} = {value}\n')
+        if key == "mask":
+            path.write_text(path.read_text().replace("muon_adamw", "adamw"))
+        with pytest.raises(ConfigError) as e:
+            load_config(path).build_optimizer()
+        assert e.value.field == f"optimizer.kwargs.{key}" and str(path) in str(e.value), str(e.value)

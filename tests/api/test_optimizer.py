@@ -622,3 +622,28 @@ def test_fourth_release_factories_run_in_the_adapter_as_their_transforms():
         restored = Optimizer(copy.deepcopy(net).named_parameters(), factory, **kwargs)
         restored.load_state_dict(opt.state_dict())  # the state round-trips (MARS's last grad, Prodigy's x₀ and d)
         assert restored.state_dict()["state"].keys() == opt.state_dict()["state"].keys()
+
+
+def test_a_named_state_dict_loads_into_an_unnamed_optimizer_and_back_as_torch_does():
+    """torch's test_can_load_from_to_named_state_dict: the unnamed optimizer takes the saved
+    groups' param_names; the named one keeps its own; both train on as torch's."""
+    for named_first in (True, False):
+        ours_model, torch_model = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+        torch_model.load_state_dict(ours_model.state_dict())
+        made = []
+        for model, make in ((ours_model, lambda p: Optimizer(p, ps.adamw, lr=1e-2)),
+                            (torch_model, lambda p: torch.optim.AdamW(p, lr=1e-2))):
+            first = make(model.named_parameters() if named_first else model.parameters())
+            model(torch.ones(4, 3)).sum().backward()
+            first.step()
+            second = make(model.parameters() if named_first else model.named_parameters())
+            second.load_state_dict(first.state_dict())
+            made.append(second)
+        ours, theirs = made
+        assert [g.get("param_names") for g in ours.param_groups] == [g.get("param_names") for g in theirs.param_groups]
+        assert ours.state_dict()["param_groups"][0].get("param_names") == theirs.state_dict()["param_groups"][0].get("param_names")
+        for model, opt in ((ours_model, ours), (torch_model, theirs)):
+            opt.zero_grad()
+            model(torch.ones(4, 3)).sum().backward()
+            opt.step()
+        torch.testing.assert_close(ours_model.weight, torch_model.weight)

@@ -66,6 +66,7 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     layout: str = "files"  # "files": one safetensors file per group; "dcp": torch.distributed.checkpoint shards
     world_size: int = 1  # the number of ranks that wrote the checkpoint
     order: dict[str, list[str]] = {}  # group -> its key paths in the order they were saved
+    complex: list[str] = []  # the `group.path` keys of complex tensors, stored as torch.view_as_real
     checksum: str = ""  # sha256 of this manifest encoded with checksum=""
 
 

@@ -83,7 +83,7 @@ def save(final: Path, trees: tuple[Any, Any, Any], *, step: int, world: D.World,
     check_int("step", step)
     if keep_last is not None:
         check_int("keep_last", keep_last, 1)
-    state, order = _flat_state(trees)
+    state, order, complex_keys = _flat_state(trees)
     try:
         config, metadata, data_state = (msgspec.to_builtins(x) for x in (extras[0], extras[1] or {}, extras[2]))
     except TypeError as e:
@@ -121,7 +121,7 @@ def save(final: Path, trees: tuple[Any, Any, Any], *, step: int, world: D.World,
             manifest = Manifest(
                 step=step, files=dict(sorted(files.items())), versions=_versions(), created_unix=time.time(),
                 config=config, data_state=data_state, metadata=metadata,
-                python_rng=_python_rng() if rng else None, layout=layout, world_size=world.size, order=order,
+                python_rng=_python_rng() if rng else None, layout=layout, world_size=world.size, order=order, complex=complex_keys,
             )
             write_bytes(tmp / MANIFEST, encode_manifest(manifest))
             fsync_dir(tmp)
@@ -142,10 +142,16 @@ def save(final: Path, trees: tuple[Any, Any, Any], *, step: int, world: D.World,
 _SAVABLE = frozenset(DTYPES.values())
 
 
-def _flat_state(trees: tuple[Any, Any, Any]) -> tuple[dict[str, Tensor], dict[str, list[str]]]:
-    """`group.path -> tensor` for every leaf (DTensors stay DTensors), and each group's paths in order."""
+_COMPLEX = (torch.complex64, torch.complex128)
+
+
+def _flat_state(trees: tuple[Any, Any, Any]) -> tuple[dict[str, Tensor], dict[str, list[str]], list[str]]:
+    """`group.path -> tensor` for every leaf (DTensors stay DTensors), each group's paths in
+    order, and the keys of complex leaves (stored as their real view, (..., 2), which every
+    safetensors writer and DCP take)."""
     state: dict[str, Tensor] = {}
     order: dict[str, list[str]] = {}
+    complex_keys: list[str] = []
     for group, tree in zip(GROUPS, trees):
         if tree is None:
             continue
@@ -158,6 +164,9 @@ def _flat_state(trees: tuple[Any, Any, Any]) -> tuple[dict[str, Tensor], dict[st
                 )
             if f"{group}.{path}" in state:
                 raise ValueError(f"{group} has two leaves at path '{path}'")
+            if leaf.dtype in _COMPLEX:
+                complex_keys.append(f"{group}.{path}")
+                leaf = torch.view_as_real(leaf.detach().resolve_conj())  # a lazily conjugated view has no real view
             if leaf.dtype not in _SAVABLE:
                 raise ValueError(
                     f"{group} leaf '{path}' has dtype {leaf.dtype}, which a checkpoint cannot hold (it would save but "
@@ -165,7 +174,7 @@ def _flat_state(trees: tuple[Any, Any, Any]) -> tuple[dict[str, Tensor], dict[st
                 )
             state[f"{group}.{path}"] = leaf.detach()
             order[group].append(path)
-    return state, order
+    return state, order, complex_keys
 
 
 def _prune(final: Path, room: int, is_good: Callable[[Path], bool] | None) -> None:
@@ -273,11 +282,17 @@ def load(root: Path, likes: tuple[Any, Any, Any], names: tuple[str, str, str], w
     if problem is not None:
         raise CheckpointError(problem)
     read_into(root, {fqn: wholes[fqn] for fqn in state}, state, distributed=world.size > 1)
+    for fqn in set(manifest.complex) & set(state):  # read into the real view: the tensor is the complex one
+        state[fqn] = torch.view_as_complex(state[fqn])
     trees = []
     for group, present, paths, spec in plan:
         leaves = [state[f"{group}.{p}"] for p in paths]
         trees.append(None if not present else dict(zip(paths, leaves)) if spec is None else ps.tree_unflatten(leaves, spec))
     return Checkpoint(*trees, manifest.step, manifest, rng)
+
+
+def _complex_of(real: torch.dtype) -> torch.dtype | None:
+    return {torch.float32: torch.complex64, torch.float64: torch.complex128}.get(real)
 
 
 def _targets(root: Path, manifest: Manifest, wholes: dict[str, Whole], likes: tuple[Any, Any, Any],
@@ -319,12 +334,15 @@ def _targets(root: Path, manifest: Manifest, wholes: dict[str, Whole], likes: tu
                     f"{root}: has no {group} tensor '{path}', which {what} has "
                     f"(the checkpoint has {len(saved)} {group} tensors, e.g. {saved[:3]})"
                 )
-            if w.shape != tuple(ref.shape) or w.dtype != ref.dtype:
+            stored = f"{group}.{path}" in manifest.complex
+            shape, dtype = (list(w.shape[:-1]), _complex_of(w.dtype)) if stored else (list(w.shape), w.dtype)
+            if shape != list(ref.shape) or dtype != ref.dtype:
                 raise CheckpointError(
-                    f"{root}: {group} '{path}' is {list(w.shape)} {w.dtype} in the checkpoint, "
+                    f"{root}: {group} '{path}' is {shape} {dtype} in the checkpoint, "
                     f"but {list(ref.shape)} {ref.dtype} in {what}"
                 )
-            state[f"{group}.{path}"] = torch.empty_like(ref.detach())
+            target = torch.empty_like(ref.detach())
+            state[f"{group}.{path}"] = torch.view_as_real(target) if stored else target
         extra = sorted(set(saved) - {p for p, _ in pairs})
         if extra:
             raise CheckpointError(f"{root}: has {group} tensor '{extra[0]}', which {what} lacks ({len(extra)} extra)")

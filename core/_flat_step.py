@@ -185,9 +185,9 @@ class FlatUpdate:
     def _compile(self, specs: list[pytree.TreeSpec], device: torch.device) -> Callable:
         pure, averaging, metrics = self.pure, self.averaging, self.metrics
 
-        def step(p, g, s, e):
+        def step(p, g, s, e, amp=None):
             trees = [pytree.tree_unflatten(x, sp) for x, sp in zip((p, g, s, e), specs)]
-            out = pure(trees[0], trees[1], trees[2], trees[3] if averaging is not None else None)
+            out = pure(trees[0], trees[1], trees[2], trees[3] if averaging is not None else None, amp)
             for dst, src in zip((p, s) + ((e,) if averaging is not None else ()), out):
                 _write_back(dst, src)
             return out[-1] if metrics else None
@@ -218,16 +218,18 @@ class FlatUpdate:
         )
 
     # -- the step --------------------------------------------------------------
-    def __call__(self, params: Any, grads: Any, opt_state: Any, ema_state: Any = None) -> None:
+    def __call__(self, params: Any, grads: Any, opt_state: Any, ema_state: Any = None, amp: Any = None) -> None:
         b = self.bound
         if b is None or self._params_moved(params):
             self._bind(params, opt_state, ema_state)
             b = self.bound
         self._take_in_state(opt_state, ema_state)
         self._grads_in(self.local(grads))
-        out = _run(b, b.buffers)
+        # With torch's AMP inputs (0-d tensors, new ones each call) the same compiled step runs
+        # with them, outside any CUDA graph (a graph reads its inputs at fixed addresses).
+        out = _run(b, b.buffers) if amp is None else b.fn(*b.buffers, amp)
         self.after_run()
-        if out is not None and b.graph is not None:  # a CUDA graph rewrites its outputs on every replay
+        if out is not None and amp is None and b.graph is not None:  # a CUDA graph rewrites its outputs on every replay
             out = pytree.tree_map(lambda x: x.clone() if isinstance(x, Tensor) else x, out)
         return out
 
@@ -255,7 +257,7 @@ def _write_back(dst: Any, src: Any) -> None:
 def _compile_own(fn: Callable, options: dict) -> Callable:
     # Dynamo keeps compiled graphs per code object (8 at most): each step is its own
     # program, so it gets its own code object rather than evicting the others'.
-    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, None, fn.__closure__)
+    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     return torch.compile(own, fullgraph=True, options=options)
 
 

@@ -434,7 +434,7 @@ class ShardedEager:
     def layout(self) -> None:
         return None
 
-    def __call__(self, params: Any, grads: Any, opt_state: Any, ema_state: Any = None) -> None:
+    def __call__(self, params: Any, grads: Any, opt_state: Any, ema_state: Any = None, amp: Any = None) -> None:
         pack, state_spec, ema_spec = self._plan(params)
 
         def packed(tree: Any, spec: Any, what: str) -> Any:
@@ -446,7 +446,7 @@ class ShardedEager:
         p = Packed(pack, pytree.tree_leaves(local_tree(params)))
         g = Packed(pack, tr.check_match(local_tree(grads), local_tree(params), "grads", "params"))
         e = packed(ema_state, ema_spec, "ema_state") if self.averaging is not None else None
-        return self.eager(p, g, packed(opt_state, state_spec, "opt_state"), e)
+        return self.eager(p, g, packed(opt_state, state_spec, "opt_state"), e, amp)
 
 
 def _agree(ok: bool, params: Any, engine: Any) -> bool:

@@ -270,6 +270,21 @@ def _update_metrics(grads: PyTree, new_state: OptState) -> Metrics:
     return metrics
 
 
+def _amp_inputs(grads: PyTree, grad_scale: Tensor | None, found_inf: Tensor | None) -> tuple[Tensor, Tensor] | None:
+    """`(grad_scale, found_inf)` as 0-d float32 tensors on the grads' device (1 and 0 for the
+    one not given), or None when neither is: torch's fused-optimizer AMP protocol."""
+    if grad_scale is None and found_inf is None:
+        return None
+    for name, value in (("grad_scale", grad_scale), ("found_inf", found_inf)):
+        if value is not None and not (isinstance(value, Tensor) and value.numel() == 1):
+            raise ValueError(f"{name} must be a one-element tensor (as torch.amp.GradScaler sets it), got {value!r}")
+    leaves = [x for x in pytree.tree_leaves(grads) if isinstance(x, Tensor)]
+    device = _sharded.local(leaves[0]).device if leaves else torch.device("cpu")
+    as_scalar = lambda v, default: (torch.full((), default, dtype=torch.float32, device=device) if v is None  # noqa: E731
+                                    else v.reshape(()).to(device=device, dtype=torch.float32, non_blocking=True))
+    return as_scalar(grad_scale, 1.0), as_scalar(found_inf, 0.0)
+
+
 def _lr_metric(opt_state: OptState) -> Tensor | None:
     """The lr the step used, when exactly one injected hyperparameter is called `lr`."""
     found = [hp["lr"] for _, hp in tr.find_all(opt_state, "hyperparams") if isinstance(hp, dict) and "lr" in hp]
@@ -322,6 +337,11 @@ def make_update(
     `update(params, grads, opt_state) -> (params, opt_state)` applies `optimizer` once.
     With `ema=ps.params_ema(decay)` the averaged params are updated in the same call:
     `update(params, grads, opt_state, ema_state) -> (params, opt_state, ema_state)`.
+    `update(..., grad_scale=s, found_inf=f)` is torch's fused-optimizer AMP protocol
+    (`torch.amp.GradScaler` sets `grad_scale` and `found_inf` on an optimizer whose
+    `_step_supports_amp_scaling` is True): the update runs on `grads / s` and, where `f > 0`,
+    changes nothing (params, state, counts, EMA), decided on the device with no host sync,
+    inside the same compiled kernels.
     With `metrics=True` a dict of 0-d tensors comes last, computed in the same call with no
     host sync, as `make_step`'s: `grad_norm` (of the grads given, before any clipping; over
     FSDP2 shards the whole grads'), `lr` (the injected `lr`, when the state holds exactly
@@ -393,25 +413,41 @@ def make_update(
     if not isinstance(metrics, bool):
         raise ValueError(f"metrics must be True or False, got {metrics!r}")
 
-    def pure(params, grads, opt_state, ema_state=None):
-        # -> (params, opt_state[, ema_state][, metrics])
+    def pure(params, grads, opt_state, ema_state=None, amp=None):
+        # -> (params, opt_state[, ema_state][, metrics]); amp: (grad_scale, found_inf) 0-d tensors
         tr.check_match(grads, params, "grads", "params")
+        if amp is not None:  # torch's fused AMP protocol: g / grad_scale, inside the same kernels
+            grads = pytree.tree_map(lambda g: g / amp[0].to(g.dtype), grads)
         new_params, new_state, _ = _apply(optimizer, params, grads, opt_state)
-        out = (new_params, new_state) + (() if averaging is None else (averaging[1](ema_state, new_params),))
-        return out + ((_update_metrics(grads, new_state),) if metrics else ())
+        new_ema = None if averaging is None else averaging[1](ema_state, new_params)
+        if amp is not None:  # found_inf: nothing changes, params, state and EMA (counts included)
+            skip = amp[1] > 0
+            keep = lambda old, new: pytree.tree_map(lambda o, n: torch.where(skip, o, n), old, new)  # noqa: E731
+            new_params, new_state = keep(params, new_params), keep(opt_state, new_state)
+            new_ema = None if averaging is None else keep(ema_state, new_ema)
+        out = (new_params, new_state) + (() if averaging is None else (new_ema,))
+        if not metrics:
+            return out
+        step_metrics = _update_metrics(grads, new_state)
+        if amp is not None:
+            skipped = amp[1] > 0
+            step_metrics["skipped"] = skipped | step_metrics["skipped"] if "skipped" in step_metrics else skipped
+        return out + (step_metrics,)
 
-    def in_place(params, grads, opt_state, ema_state=None):
-        out = pure(params, grads, opt_state, ema_state)
+    def in_place(params, grads, opt_state, ema_state=None, amp=None):
+        out = pure(params, grads, opt_state, ema_state, amp)
         _copy_into(params, out[0], "params")
         _copy_into(opt_state, out[1], "opt_state")
         if averaging is not None:
             _copy_into(ema_state, out[2], "ema_state")
         return out[-1] if metrics else None
 
-    def eager_in_place(params, grads, opt_state, ema_state=None):
+    def eager_in_place(params, grads, opt_state, ema_state=None, amp=None):
         # Uncompiled donation: the update goes into the params in place (`apply_in_place`:
         # a chain folds its decay and lr into the last transform's own in-place apply), and
         # state leaves not updated in place adopt the storage of their new values.
+        if amp is not None:  # a skip decided on the device: the pure update, selected, then copied in
+            return in_place(params, grads, opt_state, ema_state, amp)
         tr.check_match(grads, params, "grads", "params")
         new_state = apply_in_place(optimizer, grads, opt_state, params)
         taken = _Taken(params, grads, opt_state, ema_state)
@@ -437,15 +473,18 @@ def make_update(
         flat_asked=flat,
     )
 
-    def update(params: Params, grads: PyTree, opt_state: OptState, *ema_state: Any) -> tuple:
+    def update(params: Params, grads: PyTree, opt_state: OptState, *ema_state: Any,
+               grad_scale: Tensor | None = None, found_inf: Tensor | None = None) -> tuple:
         if len(ema_state) != (averaging is not None):
             want = "(params, grads, opt_state, ema_state)" if averaging else "(params, grads, opt_state)"
             raise TypeError(f"update takes {want}; got {3 + len(ema_state)} arguments")
+        amp = _amp_inputs(grads, grad_scale, found_inf)
+        extra = {} if amp is None else {"amp": amp}
         if not donate:
-            return inner(params, grads, opt_state, *ema_state)
+            return inner(params, grads, opt_state, *ema_state, **extra)
         run = engine.path_for(params, grads)
         with torch.no_grad():  # a donated update is never differentiated: record no graph
-            out = run(params, grads, opt_state, *ema_state)
+            out = run(params, grads, opt_state, *ema_state, **extra)
         return (params, opt_state, *ema_state) + ((out,) if metrics else ())
 
     update.explain = engine.explain if donate else explain_pure

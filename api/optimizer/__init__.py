@@ -104,6 +104,10 @@ class Optimizer(torch.optim.Optimizer):
             compile = False
         if fused and compile is None:
             compile = True  # purestep's fused step: one compiled kernel over flat buffers
+        # torch's fused-optimizer AMP protocol: GradScaler then sets `grad_scale` and `found_inf`
+        # on the optimizer instead of unscaling the grads and reading found_inf on the host; the
+        # step unscales and skips inside its own kernels (`ps.make_update`'s grad_scale/found_inf).
+        self._step_supports_amp_scaling = bool(fused) and not differentiable
         mirror = L.mirrors().get(transform) if callable(transform) and not isinstance(transform, ps.Transform) else None
         if mirror is not None and "lr" not in hyperparams:  # `Optimizer(params, ps.adamw)` as `AdamW(params)`
             hyperparams = {**hyperparams, "lr": inspect.signature(mirror.cls).parameters["lr"].default}
@@ -304,7 +308,8 @@ class Optimizer(torch.optim.Optimizer):
                 grads = [gr if gr is not None else torch.zeros_like(p) for p, gr in zip(params, grads)]
             # Differentiable: the update reads clones (its graph may save what it reads; the params change next).
             tree = {n: p.clone() for n, p in zip(g.names, params)} if g.differentiable else g.tree
-            new_params, g.state = g.update(tree, dict(zip(g.names, grads)), g.state)[:2]
+            amp = {k: v for k in ("grad_scale", "found_inf") if (v := getattr(self, k, None)) is not None}
+            new_params, g.state = g.update(tree, dict(zip(g.names, grads)), g.state, **amp)[:2]
             if g.differentiable:
                 for p, new in zip(params, new_params.values()):
                     p.copy_(new)

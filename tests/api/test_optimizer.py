@@ -647,3 +647,48 @@ def test_a_named_state_dict_loads_into_an_unnamed_optimizer_and_back_as_torch_do
             model(torch.ones(4, 3)).sum().backward()
             opt.step()
         torch.testing.assert_close(ours_model.weight, torch_model.weight)
+
+
+def _amp_run(make, inject_at=(2, 5), steps=8):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    opt = make(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    x, y = torch.randn(32, 8), torch.randn(32, 4)
+    for i in range(steps):
+        opt.zero_grad()
+        scaler.scale(((model(x) - y) ** 2).mean()).backward()
+        if i in inject_at:
+            model[0].weight.grad[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+    return model, opt, scaler
+
+
+def test_fused_adapter_takes_torchs_amp_protocol_and_equals_fused_adamw_under_gradscaler_with_infs():
+    ours, opt, our_scaler = _amp_run(lambda m: Optimizer(m.parameters(), ps.adamw, lr=1e-2, fused=True))
+    theirs, topt, their_scaler = _amp_run(lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True))
+    assert opt._step_supports_amp_scaling and not hasattr(opt, "found_inf")  # GradScaler set and removed them
+    assert our_scaler.get_scale() == their_scaler.get_scale()
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    ours_state, their_state = opt.state_dict()["state"], topt.state_dict()["state"]
+    assert float(ours_state[0]["step"]) == float(their_state[0]["step"]) == 6  # the 2 skipped steps did not count
+    assert not Optimizer(ours.parameters(), ps.adamw, lr=1e-2)._step_supports_amp_scaling  # only fused, as torch
+
+
+def test_fused_adapter_does_not_step_when_found_inf_is_set_by_hand():
+    """torch's test_fused_does_not_step_if_foundinf: grads finite, found_inf = 1: nothing moves."""
+    model = torch.nn.Linear(4, 3)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = Optimizer(model.parameters(), ps.adamw, lr=1e-2, fused=True)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.grad_scale, opt.found_inf = torch.ones(()), torch.ones(())
+    opt.step()
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p.detach(), b)
+    assert float(opt.state_dict()["state"].get(0, {}).get("step", 0)) == 0  # no step counted
+    opt.found_inf = torch.zeros(())
+    opt.step()
+    assert not torch.equal(model.weight.detach(), before[0])
+    assert float(opt.state_dict()["state"][0]["step"]) == 1

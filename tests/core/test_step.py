@@ -569,3 +569,26 @@ def test_per_leaf_compiled_donated_update_stores_each_injected_schedule_value():
     for _ in range(2):
         params, state = update(params, {"w": torch.randn(4, 3)}, state)
     assert float(state.hyperparams["lr"]) == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(donate=True), dict(compile=True, donate=True)], ids=["pure", "eager", "flat"])
+def test_make_update_takes_torchs_amp_protocol_grad_scale_and_found_inf(kw):
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(4, 3, generator=g), "b": torch.randn(3, generator=g)}
+    opt = ps.chain(ps.clip_by_global_norm(1.0), ps.adamw(1e-2, weight_decay=0.1))
+    update, plain = ps.make_update(opt, metrics=True, **kw), ps.make_update(opt)
+    p, s = {k: v.clone() for k, v in params.items()}, opt.init(params)
+    p_ref, s_ref = {k: v.clone() for k, v in params.items()}, opt.init(params)
+    for step in range(4):
+        grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+        scale, inf = torch.tensor(2.0**(step + 3)), torch.tensor(float(step == 2))
+        p, s, m = update(p, {k: v * scale for k, v in grads.items()}, s, grad_scale=scale, found_inf=inf)
+        assert bool(m["skipped"]) == (step == 2)
+        if step != 2:
+            p_ref, s_ref = plain(p_ref, grads, s_ref)
+        for k in params:
+            torch.testing.assert_close(p[k], p_ref[k], rtol=1e-6, atol=1e-7)
+    assert int(ps.step_count(s)) == 3
+    with pytest.raises(ValueError, match="grad_scale"):
+        update(p, grads, s, grad_scale=2.0)

@@ -18,8 +18,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 _FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+# The pages with code to run: the README and the docs pages that hold a python block.
+PAGES = [p for p in (README, *sorted((ROOT / "docs").rglob("*.md"))) if _FENCE.search(p.read_text())]
 
 
 def python_blocks(text: str) -> list[tuple[int, str]]:

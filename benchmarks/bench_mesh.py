@@ -1,0 +1,224 @@
+"""The optimizer step on a 2-D mesh (HSDP): purestep's sharded path vs torch's AdamW on the same DTensor params.
+
+Run under torchrun, 4 ranks, one thread each (gloo on CPU):
+
+    OMP_NUM_THREADS=1 torchrun --nproc_per_node=4 benchmarks/bench_mesh.py --out auto
+
+The model is `purestep.api.models.GPT` (dim 128, 24 blocks: 5.2M params in 147 tensors),
+`fully_shard(block, mesh=mesh)` per block then the root, `mesh` a (replicate 2, shard 2)
+`init_device_mesh`. Parts:
+
+- `step`: the optimizer step alone, interleaved medians of `--steps` steps, `--reps` times:
+  `apply_if_finite(chain(clip_by_global_norm(1.0), adamw))` through `make_update(compile=True,
+  donate=True)` against `clip_grad_norm_` + `AdamW(fused=True)` on the same params, beside the
+  bytes the step must move (32 B/param of this rank's shard) at the in-place bandwidth measured
+  in the same run; then both run `--check` steps from the same params and grads and the
+  largest relative difference of the params is reported.
+- `muon`: `muon_adamw(ns_dtype=float32)` on the mesh: the Newton-Schulz FLOPs each rank runs
+  (the profiler's matmul FLOPs of one step) against the whole model's in one process, and the
+  step time against that one process.
+- `collectives`: collectives per step of the compiled clip + AdamW + apply_if_finite step and
+  of Muon, at 24 and 6 blocks (they must not grow with the tensor count).
+
+4 ranks on a 2-core machine oversubscribe it: only ratios measured in one run compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import purestep.core as ps
+from purestep.api.models import GPT
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_fsdp import bandwidth, count_collectives, grads_of, interleaved, recipe  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def build(mesh, n_layers: int = 24, dim: int = 128) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = GPT(dim=dim, n_layers=n_layers, n_heads=4, seq_len=64)
+    if mesh is not None:
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model
+
+
+def purestep_step(mesh, transform: ps.Transform, n_layers: int = 24):
+    model = build(mesh, n_layers)
+    params = dict(model.named_parameters())
+    grads = grads_of(model)
+    state = transform.init(params)
+    update = ps.make_update(transform, compile=True, donate=True)
+    return (lambda: update(params, grads, state)), update, model
+
+
+def part_step(mesh, args) -> list[str]:
+    mine, update, _ = purestep_step(mesh, recipe())
+    model = build(mesh)
+    grads_of(model)
+    fused = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+
+    def torch_step():
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        fused.step()
+
+    fns = {"purestep clip+AdamW+apply_if_finite, compiled": mine, "torch clip_grad_norm_ + AdamW(fused=True)": torch_step}
+    medians = [interleaved(fns, args.steps) for _ in range(args.reps)]
+    local = sum(p.to_local().numel() for p in model.parameters())
+    bw = bandwidth(4 * local)
+    # Equality: both from the same params, the same grads, `--check` steps.
+    ours, _, ours_model = purestep_step(mesh, recipe())
+    theirs = build(mesh)
+    theirs_grads = grads_of(theirs)
+    opt = torch.optim.AdamW(theirs.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+    for _ in range(args.check):
+        ours()
+        for p, g in zip(theirs.parameters(), theirs_grads.values()):
+            p.grad = g
+        torch.nn.utils.clip_grad_norm_(theirs.parameters(), 1.0)
+        opt.step()
+    worst = max(float(((a.full_tensor() - b.full_tensor()).abs().max() / b.full_tensor().abs().max().clamp(min=1e-12)))
+                for a, b in zip(ours_model.parameters(), theirs.parameters()))
+    if dist.get_rank() != 0:
+        return []
+    n = sum(p.numel() for p in model.parameters())
+    fused_ms = statistics.median(m["torch clip_grad_norm_ + AdamW(fused=True)"] for m in medians) * 1e3
+    limit_ms = 32 * local / bw * 1e3
+    lines = [
+        f"### Step on HSDP 2x2, {n / 1e6:.1f}M params ({len(list(model.parameters()))} tensors), {local / 1e6:.2f}M on rank 0",
+        "",
+        f"`explain()`: {update.explain()}",
+        "",
+        f"In-place bandwidth on this rank: {bw / 1e9:.1f} GB/s; 32 B/param of this rank's shard take {limit_ms:.1f} ms at that rate.",
+        "",
+        "| contender | median ms (spread over reps) | / fused | x the bandwidth limit |",
+        "|---|---|---|---|",
+    ]
+    for name in fns:
+        per_rep = [m[name] * 1e3 for m in medians]
+        ms = statistics.median(per_rep)
+        lines.append(f"| {name} | {ms:.1f} ({min(per_rep):.1f}-{max(per_rep):.1f}) | {ms / fused_ms:.2f} | {ms / limit_ms:.2f} |")
+    lines += ["", f"Equality after {args.check} steps from the same params and grads: largest relative difference "
+              f"of the params {worst:.2e} (float32).", ""]
+    return lines
+
+
+def _matmul_flops(fn) -> float:
+    fn()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_flops=True) as prof:
+        fn()
+    return float(sum(e.flops or 0 for e in prof.key_averages() if e.key in ("aten::bmm", "aten::baddbmm", "aten::mm", "aten::addmm")))
+
+
+def part_muon(mesh, args) -> list[str]:
+    opt = lambda: ps.muon_adamw(lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float32)  # noqa: E731
+    mine, update, _ = purestep_step(mesh, opt())
+    flops = torch.tensor([_matmul_flops(mine)])
+    every = [torch.zeros(1) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, flops)
+    times = interleaved({"mesh": mine}, args.steps)
+    one_ms = whole_flops = None
+    if dist.get_rank() == 0:  # the same update on the whole model, in this process alone
+        model = build(None)
+        params = dict(model.named_parameters())
+        grads = grads_of(model)
+        state = opt().init(params)
+        whole = ps.make_update(opt(), compile=True, donate=True)
+        step = lambda: whole(params, grads, state)  # noqa: E731
+        whole_flops = _matmul_flops(step)
+        for _ in range(3):
+            step()
+        import time
+
+        ts = []
+        for _ in range(args.steps):
+            t = time.perf_counter()
+            step()
+            ts.append(time.perf_counter() - t)
+        one_ms = statistics.median(ts) * 1e3
+    dist.barrier()
+    if dist.get_rank() != 0:
+        return []
+    per_rank = [float(f) for f in every]
+    return [
+        "### Muon on HSDP 2x2 (`muon_adamw(ns_dtype=float32)`, owner-computes over all 4 ranks)",
+        "",
+        f"`explain()`: {update.explain()}",
+        "",
+        "| | value |",
+        "|---|---|",
+        f"| Newton-Schulz (matmul) GFLOPs per rank, ranks 0-3 | {', '.join(f'{f / 1e9:.3f}' for f in per_rank)} |",
+        f"| the whole model's in one process | {whole_flops / 1e9:.3f} |",
+        f"| largest rank / whole model | {max(per_rank) / whole_flops:.3f} (target: at most 1/4 plus one block) |",
+        f"| step, mesh / one process | {times['mesh'] * 1e3:.1f} ms / {one_ms:.1f} ms = {times['mesh'] * 1e3 / one_ms:.2f}x |",
+        "",
+    ]
+
+
+def part_collectives(mesh, args) -> list[str]:
+    rows = []
+    for layers in (24, 6):
+        for name, transform in (("clip + AdamW + apply_if_finite", recipe()),
+                                ("muon_adamw", ps.muon_adamw(lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float32))):
+            fn, _, model = purestep_step(mesh, transform, layers)
+            rows.append((name, len(list(model.parameters())), count_collectives(fn)))
+    if dist.get_rank() != 0:
+        return []
+    return ["### Collectives per step on HSDP 2x2 (rank 0, profiler)", "", "| step | tensors | collectives |", "|---|---|---|",
+            *[f"| {n} | {t} | {c} |" for n, t, c in rows], ""]
+
+
+def main() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--parts", nargs="+", default=["step", "muon", "collectives"], choices=["step", "muon", "collectives"])
+    ap.add_argument("--steps", type=int, default=10, help="interleaved steps per repeat (median)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--check", type=int, default=5, help="steps of the equality check")
+    ap.add_argument("--out", default=None, help="a markdown path, or 'auto' for benchmarks/results/<date>-mesh-hsdp-cpu.md")
+    args = ap.parse_args()
+    dist.init_process_group("gloo")
+    if dist.get_world_size() != 4:
+        raise SystemExit("bench_mesh.py runs on 4 ranks: torchrun --nproc_per_node=4")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    lines: list[str] = []
+    for part in args.parts:
+        lines += {"step": part_step, "muon": part_muon, "collectives": part_collectives}[part](mesh, args)
+    if dist.get_rank() == 0:
+        head = [
+            f"# The step on an HSDP mesh ({datetime.date.today()})",
+            "",
+            f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, 4 ranks (gloo, CPU, "
+            f"oversubscribed: compare ratios of one run), OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}; "
+            f"torch {torch.__version__}, Python {platform.python_version()}; load average {os.getloadavg()[0]:.2f}.",
+            "",
+            f"Command: `OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} torchrun --nproc_per_node=4 "
+            f"benchmarks/{Path(sys.argv[0]).name} {' '.join(sys.argv[1:])}`",
+            "",
+        ]
+        text = "\n".join(head + lines)
+        print(text)
+        if args.out:
+            path = RESULTS / f"{datetime.date.today()}-mesh-hsdp-cpu.md" if args.out == "auto" else Path(args.out)
+            path.write_text(text + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -37,11 +37,16 @@ def _argument(name: str, value: Any, field: str) -> Any:
     rule = name in ("mask", "labels", "batch_dims") or name.endswith(("_mask", "_labels"))
     if isinstance(value, str) and rule:
         return _public(value, "function", field)
-    allowed: tuple[type, ...] = (dict,) + ((bool,) if name.endswith("mask") else ()) + ((int,) if name == "batch_dims" else ())
+    allowed: tuple[type, ...] = (
+        (dict,) + ((bool,) if name.endswith("mask") else ()) + ((int,) if name == "batch_dims" else ())
+    )
     if rule and (not isinstance(value, allowed) or (name == "batch_dims" and isinstance(value, bool))):
         what = "an int or a table of ints per param" if name == "batch_dims" else "a table per param"
-        raise ConfigError(field, f"{value!r} is neither the name of a public purestep.core function (e.g. "
-                                 f"'{'decay_mask' if name.endswith('mask') else 'muon_labels'}') nor {what}")
+        raise ConfigError(
+            field,
+            f"{value!r} is neither the name of a public purestep.core function (e.g. "
+            f"'{'decay_mask' if name.endswith('mask') else 'muon_labels'}') nor {what}",
+        )
     if isinstance(value, str) and name.endswith("dtype"):
         dtype = getattr(torch, value, None)
         if not isinstance(dtype, torch.dtype):

@@ -87,7 +87,9 @@ def _string_keys(data: Any, path: Path, where: str = "") -> Any:
     if isinstance(data, dict):
         for key, value in data.items():
             if not isinstance(key, str):
-                raise ConfigError(where, f"unknown field {key!r} (a key must be a name, not {type(key).__name__})", str(path))
+                raise ConfigError(
+                    where, f"unknown field {key!r} (a key must be a name, not {type(key).__name__})", str(path)
+                )
             _string_keys(value, path, f"{where}.{key}" if where else key)
     elif isinstance(data, list):
         for item in data:
@@ -104,7 +106,9 @@ def read_config_file(path: Path) -> Any:
         raise ConfigError("", f"unknown config format {suffix!r}; use .toml, .yaml, .yml or .json", str(path))
     try:
         if path.stat().st_size > MAX_CONFIG_BYTES:
-            raise ConfigError("", f"{path.stat().st_size:,} bytes; a config file is at most {MAX_CONFIG_BYTES:,}", str(path))
+            raise ConfigError(
+                "", f"{path.stat().st_size:,} bytes; a config file is at most {MAX_CONFIG_BYTES:,}", str(path)
+            )
         data = path.read_bytes()
         if suffix == ".toml":
             return _string_keys(msgspec.toml.decode(data), path)

@@ -78,7 +78,9 @@ class MetricsFile:
             os.replace(tmp, self.path)
         except OSError as e:
             tmp.unlink(missing_ok=True)
-            raise RunDirError(f"{self.path}: cannot rewrite ({e.strerror}); its records are kept as they were") from None
+            raise RunDirError(
+                f"{self.path}: cannot rewrite ({e.strerror}); its records are kept as they were"
+            ) from None
 
     def write(self, record: dict[str, Any]) -> None:
         """Append one record; a `RunDirError` naming the file when it cannot (full disk...)."""
@@ -118,8 +120,10 @@ class Progress:
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{record['loss']:.3f}", lr=lr, tok_s=f"{record['tokens_per_s']:.0f}")
         else:
-            self.line(f"step {record['step']:6d}  loss {record['loss']:.4f}  lr {lr}  "
-                      f"grad norm {norm}  {record['tokens_per_s']:.0f} tok/s")
+            self.line(
+                f"step {record['step']:6d}  loss {record['loss']:.4f}  lr {lr}  "
+                f"grad norm {norm}  {record['tokens_per_s']:.0f} tok/s"
+            )
 
     def line(self, text: str) -> None:
         if self.enabled:
@@ -156,7 +160,9 @@ class StopSignals:
         self.signum = signum
         if self.announce:
             try:  # after SIGHUP the terminal may be gone
-                log(f"{signal.Signals(signum).name}: stopping after this step to save a checkpoint (Ctrl-C again: at once)")
+                log(
+                    f"{signal.Signals(signum).name}: stopping after this step to save a checkpoint (Ctrl-C again: at once)"
+                )
             except OSError:
                 pass
 

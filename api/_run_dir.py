@@ -62,8 +62,15 @@ class LoopState:
 
     def state_dict(self) -> dict[str, Any]:
         """The fields as JSON-able data (reads `tokens` from the device: call between steps)."""
-        return {"step": self.step, "tokens": int(self.tokens), "elapsed": self.elapsed, "recent": list(self.recent),
-                "spikes": self.spikes, "skip": [list(r) for r in self.skip], "skipped": self.skipped}
+        return {
+            "step": self.step,
+            "tokens": int(self.tokens),
+            "elapsed": self.elapsed,
+            "recent": list(self.recent),
+            "spikes": self.spikes,
+            "skip": [list(r) for r in self.skip],
+            "skipped": self.skipped,
+        }
 
     @staticmethod
     def check(path: Path, manifest: Any) -> None:
@@ -87,7 +94,11 @@ def save(t: Any) -> Path | None:
     if t.checkpoints is None:
         return None
     path = t.checkpoints.save(
-        t.step, params=t.params(), opt_state=t.opt_state, ema=t.ema, config=t.config,
+        t.step,
+        params=t.params(),
+        opt_state=t.opt_state,
+        ema=t.ema,
+        config=t.config,
         data_state={"step": t.step, "seed": t.config.seed},
         metadata={"trainer": t.loop.state_dict(), "world_size": t.world.size},
     )
@@ -139,11 +150,15 @@ def open_run(t: Any, resume: bool) -> bool:
         if latest is None and not t.checkpoints.has_candidates():
             # Killed before its first checkpoint (metrics only): start over, as Lightning's ckpt_path="last" does.
             if t.world.main:
-                log(f"warning: {t.out} holds no checkpoint (the run stopped before its first); "
-                    "starting from step 0, its metrics.jsonl is rewritten")
+                log(
+                    f"warning: {t.out} holds no checkpoint (the run stopped before its first); "
+                    "starting from step 0, its metrics.jsonl is rewritten"
+                )
         elif restore(t) is None:
-            raise RunDirError(f"{t.out}: no checkpoint in {t.out / 'checkpoints'} loads (see the warnings above); "
-                              "move the damaged ones aside to start over from step 0, or pass a new --out")
+            raise RunDirError(
+                f"{t.out}: no checkpoint in {t.out / 'checkpoints'} loads (see the warnings above); "
+                "move the damaged ones aside to start over from step 0, or pass a new --out"
+            )
         else:
             _take_hyperparams(t)
             if t.world.main:
@@ -152,11 +167,15 @@ def open_run(t: Any, resume: bool) -> bool:
                     log(f"resume: {message}")
                 budget = t.config.time_budget
                 if budget is not None and t.elapsed >= budget and t.step < t.config.steps:
-                    log(f"nothing to do: the run spent its time_budget ({t.elapsed:.0f} of {budget:g} s) at step "
-                        f"{t.step}; pass a larger --set time_budget=... to train on")
+                    log(
+                        f"nothing to do: the run spent its time_budget ({t.elapsed:.0f} of {budget:g} s) at step "
+                        f"{t.step}; pass a larger --set time_budget=... to train on"
+                    )
                 elif t.finished():
-                    log(f"nothing to do: the run finished at step {t.step} (steps={t.config.steps}); "
-                        "pass a larger --steps to train on")
+                    log(
+                        f"nothing to do: the run finished at step {t.step} (steps={t.config.steps}); "
+                        "pass a larger --steps to train on"
+                    )
             if t.finished():
                 return False
     D.barrier(t.world)

@@ -32,10 +32,19 @@ def demo_config() -> TrainConfig:
     """The demo's recipe: a 4-layer byte-level GPT, Muon + AdamW, warmup + cosine, clipping, EMA."""
     ns_dtype = "bfloat16" if torch.cuda.is_available() else "float32"  # bf16 matmuls are slow on CPU
     return TrainConfig(
-        steps=120, batch_size=16, log_every=10, eval_every=50, eval_batches=4, checkpoint_every=50, keep_last=2,
-        ema_decay=0.99, spike_factor=4.0,
+        steps=120,
+        batch_size=16,
+        log_every=10,
+        eval_every=50,
+        eval_batches=4,
+        checkpoint_every=50,
+        keep_last=2,
+        ema_decay=0.99,
+        spike_factor=4.0,
         optimizer=OptimizerConfig(
-            name="muon_adamw", lr=0.02, clip_grad_norm=1.0,
+            name="muon_adamw",
+            lr=0.02,
+            clip_grad_norm=1.0,
             kwargs={"adamw_lr": 3e-3, "ns_dtype": ns_dtype, "weight_decay": 0.01, "adamw_weight_decay": 0.01},
         ),
         schedule=ScheduleConfig(name="warmup_cosine", final_lr=0.002),  # warmup: 5% of the steps
@@ -69,8 +78,11 @@ def run(cfg: TrainConfig, out: Path | None, *, resume: bool, sample: bool = Fals
     try:
         if main:
             n = sum(p.numel() for p in trainer.named.values())
-            print(f"purestep: {n / 1e6:.2f}M params, {cfg.steps} steps of {cfg.batch_size} x {cfg.model.block_size} "
-                  f"tokens, {cfg.optimizer.name}, strategy={cfg.strategy}, run dir {out}", flush=True)
+            print(
+                f"purestep: {n / 1e6:.2f}M params, {cfg.steps} steps of {cfg.batch_size} x {cfg.model.block_size} "
+                f"tokens, {cfg.optimizer.name}, strategy={cfg.strategy}, run dir {out}",
+                flush=True,
+            )
         first = trainer.evaluate() if sample else None
         summary = trainer.fit(resume=resume)
         if sample:
@@ -193,8 +205,14 @@ def _parser() -> argparse.ArgumentParser:
         q.add_argument("--out", type=Path, help="run directory (metrics.jsonl, checkpoints/)")
         q.add_argument("--steps", type=int, help="override the number of steps")
         q.add_argument("--resume", action="store_true", help="continue from the run directory's latest checkpoint")
-        q.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a config field, e.g. --set optimizer.lr=1e-3 (repeatable)")
+        q.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a config field, e.g. --set optimizer.lr=1e-3 (repeatable)",
+        )
 
     train = sub.add_parser("train", help="train from a TOML/YAML/JSON config")
     train.add_argument("config", type=Path)
@@ -252,7 +270,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"purestep: error: {e}", file=sys.stderr)
         code = 2
     except OSError as e:  # disk full, a read-only directory...: the path and the reason
-        print(f"purestep: error: {e.filename}: {e.strerror}" if e.filename else f"purestep: error: {e}", file=sys.stderr)
+        print(
+            f"purestep: error: {e.filename}: {e.strerror}" if e.filename else f"purestep: error: {e}", file=sys.stderr
+        )
         code = 2
     except ValueError as e:  # core validation (hyperparameters), named by the message
         print(f"purestep: error: {e}", file=sys.stderr)

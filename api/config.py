@@ -157,15 +157,23 @@ class TrainConfig(_Section):
         if self.batch_size % self.grad_accum:
             raise ConfigError("grad_accum", f"{self.grad_accum} does not divide batch_size={self.batch_size}")
         if self.model.n_embd % self.model.n_head:
-            raise ConfigError("model.n_embd", f"{self.model.n_embd} is not divisible by model.n_head={self.model.n_head}")
+            raise ConfigError(
+                "model.n_embd", f"{self.model.n_embd} is not divisible by model.n_head={self.model.n_head}"
+            )
         if self.precision == "fp16":
             raise ConfigError("precision", "'fp16' needs loss scaling, which the Trainer does not run; use 'bf16'")
         if self.precision == "bf16-true" and self.strategy in ("fsdp", "hsdp"):
-            raise ConfigError("precision", f"'bf16-true' is not supported with strategy='{self.strategy}' (FSDP2 keeps "
-                              "float32 sharded params and casts them to bf16 for compute itself); use precision='bf16'")
+            raise ConfigError(
+                "precision",
+                f"'bf16-true' is not supported with strategy='{self.strategy}' (FSDP2 keeps "
+                "float32 sharded params and casts them to bf16 for compute itself); use precision='bf16'",
+            )
         if self.replicate and self.strategy != "hsdp":
-            raise ConfigError("replicate", f"{self.replicate} replicas asked for, but strategy='{self.strategy}'; "
-                              "the replicate degree is HSDP's (strategy='hsdp')")
+            raise ConfigError(
+                "replicate",
+                f"{self.replicate} replicas asked for, but strategy='{self.strategy}'; "
+                "the replicate degree is HSDP's (strategy='hsdp')",
+            )
 
     @property
     def autocast(self) -> bool:
@@ -351,8 +359,11 @@ def refuse_ignored(config: TrainConfig, given: dict[str, Any]) -> None:
                 ours.pop("clip_grad_norm"), default.pop("clip_grad_norm")
             for key in ours:
                 if ours[key] != default[key]:
-                    raise ConfigError(f"{name}.{key}", f"set in the config, but the Trainer was given {arg}=, which "
-                                      f"replaces the [{name}] section; leave it at its default or drop {arg}=")
+                    raise ConfigError(
+                        f"{name}.{key}",
+                        f"set in the config, but the Trainer was given {arg}=, which "
+                        f"replaces the [{name}] section; leave it at its default or drop {arg}=",
+                    )
     if given["ema"] is not None and config.ema_decay is not None:
         raise ConfigError("ema_decay", "set in the config and ema= given too; keep one")
 
@@ -392,8 +403,11 @@ def resume_changes(saved: dict[str, Any] | None, config: TrainConfig, step: int)
         # bf16-true changes the params' dtype and the optimizer state's structure (the Kahan buffer).
         kept = kept or (field == "precision" and (before == "bf16-true") != (after == "bf16-true"))
         if kept or (field == "ema_decay" and (before is None) != (after is None)):
-            raise ConfigError(field, f"changed from {before!r} to {after!r} since the checkpoint; a resumed run "
-                              "keeps it (set it back, or start a new run in another directory)")
+            raise ConfigError(
+                field,
+                f"changed from {before!r} to {after!r} since the checkpoint; a resumed run "
+                "keeps it (set it back, or start a new run in another directory)",
+            )
         note = "applied"
         if field == "steps" and config.schedule.name != "constant":
             lr_was = float(msgspec.convert(saved, TrainConfig).build_schedule()(step))

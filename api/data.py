@@ -190,8 +190,13 @@ def build_data(config: Any) -> ByteCorpus:
             tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.zeros(0, dtype=torch.uint8)
         else:
             raise ConfigError("data.source", f"{path} is neither 'stdlib' nor an existing file or folder")
-        return ByteCorpus(tokens, seq_len=config.model.block_size, batch_size=config.batch_size, seed=config.seed,
-                          val_fraction=d.val_fraction)
+        return ByteCorpus(
+            tokens,
+            seq_len=config.model.block_size,
+            batch_size=config.batch_size,
+            seed=config.seed,
+            val_fraction=d.val_fraction,
+        )
     except OSError as e:
         raise ConfigError("data.source", f"{e.filename or path}: {e.strerror or e}") from None
     except ValueError as e:
@@ -227,6 +232,9 @@ def check_rows(micro: list[Any], world: int, batch_size: int) -> bool:
     rows = batch_rows(micro[0])
     given = rows * len(micro) * world
     if given != batch_size:
-        raise ConfigError("batch_size", f"{batch_size}, but the data gives {given} rows a step "
-                          f"({rows} a batch x {len(micro)} micro-batches x {world} rank(s))")
+        raise ConfigError(
+            "batch_size",
+            f"{batch_size}, but the data gives {given} rows a step "
+            f"({rows} a batch x {len(micro)} micro-batches x {world} rank(s))",
+        )
     return True

@@ -59,8 +59,10 @@ def setup(strategy: str = "single", device: str | None = None, *, replicate: int
         nodes = max(1, size // int(os.environ.get("LOCAL_WORLD_SIZE", str(size))))
         replicate = replicate or nodes
         if size % replicate:
-            raise ValueError(f"strategy='hsdp': replicate={replicate} does not divide the {size} ranks; "
-                             f"pick a divisor of {size} (replicas x shards = ranks)")
+            raise ValueError(
+                f"strategy='hsdp': replicate={replicate} does not divide the {size} ranks; "
+                f"pick a divisor of {size} (replicas x shards = ranks)"
+            )
     elif replicate:
         raise ValueError(f"replicate={replicate} is HSDP's degree; strategy is {strategy!r}")
     replicas = replicate if strategy == "hsdp" else 1
@@ -83,7 +85,9 @@ def setup(strategy: str = "single", device: str | None = None, *, replicate: int
             os.environ.setdefault("RANK", "0")
             os.environ.setdefault("WORLD_SIZE", "1")
         backend = "nccl" if dev.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10), device_id=dev if dev.type == "cuda" else None)
+        dist.init_process_group(
+            backend, timeout=datetime.timedelta(minutes=10), device_id=dev if dev.type == "cuda" else None
+        )
     return World(dist.get_rank(), dist.get_world_size(), local_rank, dev, strategy, replicas)
 
 
@@ -125,7 +129,9 @@ def wrap(model: nn.Module, world: World, *, precision: str = "fp32") -> nn.Modul
     strategy (DDP, or FSDP2 per block then root, over every rank or, for HSDP, over a
     (replicate, shard) mesh; FSDP2 on CUDA casts to bf16 for "bf16")."""
     if precision == "bf16-true" and world.strategy in ("fsdp", "hsdp"):
-        raise ValueError(f"precision='bf16-true' is not supported with strategy='{world.strategy}'; use precision='bf16'")
+        raise ValueError(
+            f"precision='bf16-true' is not supported with strategy='{world.strategy}'; use precision='bf16'"
+        )
     model = model.to(world.device, dtype=torch.bfloat16 if precision == "bf16-true" else None)
     if world.strategy == "ddp":
         ids = [world.device.index] if world.device.type == "cuda" else None
@@ -161,7 +167,9 @@ def current_world() -> World:
     """The world of the default process group (a world of one without one), for code given no `World`."""
     if dist.is_available() and dist.is_initialized():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        )
         return World(dist.get_rank(), dist.get_world_size(), local_rank, device, "ddp")
     return World(0, 1, 0, torch.device("cpu"), "single")
 

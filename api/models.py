@@ -77,7 +77,13 @@ class GPT(nn.Module):
     """
 
     def __init__(
-        self, *, vocab_size: int = 256, dim: int = 128, n_layers: int = 4, n_heads: int = 4, seq_len: int = 128,
+        self,
+        *,
+        vocab_size: int = 256,
+        dim: int = 128,
+        n_layers: int = 4,
+        n_heads: int = 4,
+        seq_len: int = 128,
         mlp_ratio: float = 8 / 3,
     ) -> None:
         super().__init__()
@@ -115,8 +121,15 @@ class GPT(nn.Module):
         return 6.0 * matmul + 12.0 * self.n_layers * self.dim * self.seq_len
 
     @torch.no_grad()
-    def generate(self, prompt: Tensor, new_tokens: int, *, temperature: float = 0.8, top_k: int = 20,
-                 generator: torch.Generator | None = None) -> Tensor:
+    def generate(
+        self,
+        prompt: Tensor,
+        new_tokens: int,
+        *,
+        temperature: float = 0.8,
+        top_k: int = 20,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
         """Sample `new_tokens` after `prompt` ((T,) int64), returning the (T + new_tokens,) sequence."""
         seq = prompt.clone()
         for _ in range(new_tokens):
@@ -154,13 +167,21 @@ def lm_loss(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]
 def build_model(section: Any) -> GPT:
     """The GPT the `model` section of a `TrainConfig` describes."""
     if section.name != "gpt":
-        raise ConfigError("model.name", f"{section.name!r} is not a model purestep builds ('gpt'); pass model= to the Trainer")
+        raise ConfigError(
+            "model.name", f"{section.name!r} is not a model purestep builds ('gpt'); pass model= to the Trainer"
+        )
     if section.vocab_size < 256:
         raise ConfigError("model.vocab_size", f"{section.vocab_size} is too small for byte tokens (needs 256)")
     if section.dropout:
         raise ConfigError("model.dropout", "the GPT has no dropout; set it to 0")
     try:
-        return GPT(vocab_size=section.vocab_size, dim=section.n_embd, n_layers=section.n_layer, n_heads=section.n_head,
-                   seq_len=section.block_size, **section.kwargs)
+        return GPT(
+            vocab_size=section.vocab_size,
+            dim=section.n_embd,
+            n_layers=section.n_layer,
+            n_heads=section.n_head,
+            seq_len=section.block_size,
+            **section.kwargs,
+        )
     except (TypeError, ValueError, RuntimeError) as e:  # RuntimeError: a size no tensor can take
         raise ConfigError("model.kwargs" if section.kwargs else "model", " ".join(str(e).split())) from None

@@ -98,10 +98,20 @@ class Trainer:
     a warmup + cosine schedule runs its whole course in the budget.
     """
 
-    def __init__(self, model: nn.Module | None = None, transform: ps.Transform | None = None,
-                 loss_fn: Callable[[nn.Module, Any], Any] | None = None, config: TrainConfig | None = None, *,
-                 data: Any = None, eval_data: Any = None, out: str | Path | None = None, ema: Any = None,
-                 progress: bool | None = None, device: str | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        transform: ps.Transform | None = None,
+        loss_fn: Callable[[nn.Module, Any], Any] | None = None,
+        config: TrainConfig | None = None,
+        *,
+        data: Any = None,
+        eval_data: Any = None,
+        out: str | Path | None = None,
+        ema: Any = None,
+        progress: bool | None = None,
+        device: str | None = None,
+    ) -> None:
         self.config = cfg = config if config is not None else TrainConfig()
         refuse_ignored(cfg, {"transform": transform, "model": model, "data": data, "ema": ema})
         if loss_fn is None and model is not None:
@@ -116,7 +126,9 @@ class Trainer:
         k, w = cfg.grad_accum, self.world.size
         if is_step_indexed(self.data) and cfg.batch_size % (k * w):
             raise ConfigError("batch_size", f"{cfg.batch_size} rows do not split into {w} rank(s) x {k} micro-batches")
-        self.module = D.wrap(model if model is not None else build_model(cfg.model), self.world, precision=cfg.precision)
+        self.module = D.wrap(
+            model if model is not None else build_model(cfg.model), self.world, precision=cfg.precision
+        )
         self.model = torch.compile(self.module) if cfg.compile else self.module
         self.named = dict(D.unwrap(self.module).named_parameters())
         # Detached aliases that a compiled, donated update re-points into its flat buffers
@@ -145,8 +157,13 @@ class Trainer:
         self.ema = ema[0](params) if ema is not None else None
         self.hyperparams = {k: pytree.tree_map(torch.clone, v) for k, v in ps.get_hyperparams(self.opt_state).items()}
         self.out = Path(out) if out is not None else None
-        self.checkpoints = None if self.out is None else CheckpointManager(
-            self.out, keep_last=cfg.keep_last or 1 << 30, world=self.world, distributed=self.fsdp)
+        self.checkpoints = (
+            None
+            if self.out is None
+            else CheckpointManager(
+                self.out, keep_last=cfg.keep_last or 1 << 30, world=self.world, distributed=self.fsdp
+            )
+        )
         self.metrics = MetricsFile(self.out / "metrics.jsonl" if self.out else None, self.world.main)
         self.progress = self.world.main if progress is None else progress and self.world.main
         flops = getattr(D.unwrap(self.module), "flops_per_token", None)
@@ -268,7 +285,10 @@ class Trainer:
             self.opt_state, self.ema = out[1], (out[2] if self.ema is not None else None)
             metrics, last = out[-1], self.update_metrics
             if "skipped" in metrics and "grad_norm" in last:  # a skipped update keeps the last applied one's norm
-                metrics = {**metrics, "grad_norm": torch.where(metrics["skipped"], last["grad_norm"], metrics["grad_norm"])}
+                metrics = {
+                    **metrics,
+                    "grad_norm": torch.where(metrics["skipped"], last["grad_norm"], metrics["grad_norm"]),
+                }
             self.update_metrics = metrics  # read when a log line is due
         # Zeroed in place, not dropped: the next backward writes where the update reads.
         torch._foreach_zero_([D.local(g) for g in grads.values()])
@@ -340,7 +360,9 @@ class Trainer:
             log(f"step {at}: repeated loss spikes but no checkpoint to rewind to; skipping on")
             return {"to": None}
         self.loop.skip.append([self.loop.step, at])
-        log(f"step {at}: repeated loss spikes: rewound to step {self.loop.step}, skipping batches {self.loop.step}..{at - 1}")
+        log(
+            f"step {at}: repeated loss spikes: rewound to step {self.loop.step}, skipping batches {self.loop.step}..{at - 1}"
+        )
         return {"to": self.loop.step, "skipped": [self.loop.step, at]}
 
     def finished(self) -> bool:
@@ -357,15 +379,23 @@ class Trainer:
         now, tokens = time.perf_counter(), float(self.loop.tokens)
         tok_s = (tokens - since[1]) / max(now - since[0], 1e-9)
         norm = self.update_metrics.get("grad_norm")  # the last update's (a skipped spike applies none)
-        line = {"step": self.loop.step, "loss": _read(record.get("loss")), "lr": self.lr(), "grad_norm": _read(norm),
-                "tokens_per_s": tok_s, "time": self.loop.elapsed}
+        line = {
+            "step": self.loop.step,
+            "loss": _read(record.get("loss")),
+            "lr": self.lr(),
+            "grad_norm": _read(norm),
+            "tokens_per_s": tok_s,
+            "time": self.loop.elapsed,
+        }
         if self.flops_per_token and self.peak_flops:
             line["mfu"] = self.flops_per_token * tok_s / (self.peak_flops * self.world.size)
         nonfinite = int(self.nonfinite())
         if nonfinite > self.nonfinite_logged:
             event = {"step": self.loop.step, "event": "skip_nonfinite", "skipped": nonfinite - self.nonfinite_logged}
             self.metrics.write(event)
-            log(f"step {self.loop.step}: skip_nonfinite ({event['skipped']} step(s) with non-finite gradients since the last log)")
+            log(
+                f"step {self.loop.step}: skip_nonfinite ({event['skipped']} step(s) with non-finite gradients since the last log)"
+            )
             self.nonfinite_logged = nonfinite
         if line["loss"] is not None:
             self.last.update(line)
@@ -394,7 +424,9 @@ class Trainer:
         if not run_dir.open_run(self, resume):
             return dict(self.last, step=self.loop.step)
         w, k = self.world, cfg.grad_accum
-        start = max([self.loop.step] + [b for a, b in self.loop.skip if a <= self.loop.step])  # batches the source gave out
+        start = max(
+            [self.loop.step] + [b for a, b in self.loop.skip if a <= self.loop.step]
+        )  # batches the source gave out
         self.batches = train_batches(self.data, start, w.rank, w.size, k)
         self.model.train()
         try:
@@ -456,8 +488,10 @@ class Trainer:
             where = f"checkpoint {path}"
         if self.world.main:
             try:  # after SIGHUP the terminal may be gone
-                log(f"stopped by {signal.Signals(signum).name} at step {self.loop.step}; {where}; "
-                    "resume with --resume / fit(resume=True)")
+                log(
+                    f"stopped by {signal.Signals(signum).name} at step {self.loop.step}; {where}; "
+                    "resume with --resume / fit(resume=True)"
+                )
             except OSError:
                 pass
         raise SystemExit(128 + signum)

@@ -105,7 +105,9 @@ def scale_by_ademamix(
         numer = ls.lincomb(1.0 / bc1, m1, a, m2)
         out = ls.cast_like(ls.div_into_(numer, denom), gs)
         keys = lp.moment_keys(state.count, rounding, state.m1, state.m2, state.nu)
-        slow = None if keys is None else [lp.leaf_seed(lp.leaf_key(state.count, i, _SLOW_SALT)) for i in range(len(keys))]
+        slow = (
+            None if keys is None else [lp.leaf_seed(lp.leaf_key(state.count, i, _SLOW_SALT)) for i in range(len(keys))]
+        )
         new_state = ScaleByAdemamixState(
             state.count + 1,
             lp.store_moments(m1, state.m1, keys),

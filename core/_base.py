@@ -109,7 +109,12 @@ class EmptyState(NamedTuple):
 
 def check_int(name: str, value: object, minimum: int = 0, *, below: int | None = None, why: str = "") -> int:
     """`value`, an int (not a bool) >= `minimum` (and < `below`), else a ValueError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (below is not None and value >= below):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < minimum
+        or (below is not None and value >= below)
+    ):
         wanted = f"in [{minimum}, {below})" if below is not None else f">= {minimum}"
         raise ValueError(f"{name} must be an int {wanted}{f' ({why})' if why else ''}, got {value!r}")
     return value
@@ -247,9 +252,7 @@ def check_hyperparam(name: str, value: Any) -> None:
         return
     if isinstance(value, Tensor) and value.dim() == 0:
         return
-    raise ValueError(
-        f"{name} must be a float, a 0-d tensor or a schedule (step -> value), got {value!r}"
-    )
+    raise ValueError(f"{name} must be a float, a 0-d tensor or a schedule (step -> value), got {value!r}")
 
 
 def check_betas(value: Any, name: str = "betas") -> tuple[Any, Any]:

@@ -48,7 +48,9 @@ def identity() -> Transform:
     return Transform(init, with_in_place(update, affine=lambda state: (1.0, 0.0, state)))
 
 
-def apply_in_place(t: Transform, grads: PyTree, state: OptState, params: Params, a: Any = 1.0, b: Any = 1.0) -> OptState:
+def apply_in_place(
+    t: Transform, grads: PyTree, state: OptState, params: Params, a: Any = 1.0, b: Any = 1.0
+) -> OptState:
     """`p ← a·p + b·u` in place for `u, state = t.update(grads, state, params)`; returns
     the new state. Runs `t`'s in-place apply (`with_in_place`) where it has one (which
     may update `state` in place: the caller gives it up), else `update`, then the apply."""
@@ -245,8 +247,7 @@ def partition(transforms: Mapping[str, Transform], labels: Any) -> Transform:
         for path, label in zip(tr.tree_paths(tree), out):
             if label not in transforms:
                 raise ValueError(
-                    f"labels leaf '{path}' is {label!r}, which is not one of the transforms "
-                    f"{sorted(transforms)}"
+                    f"labels leaf '{path}' is {label!r}, which is not one of the transforms {sorted(transforms)}"
                 )
         return out
 
@@ -289,7 +290,15 @@ class InjectHyperparamsState(NamedTuple):
     inner_state: OptState
 
 
-_ALWAYS_STATIC = ("mask", "labels", "weight_decay_mask", "trust_ratio_mask", "ns_coefficients", "base_shapes", "batch_dims")
+_ALWAYS_STATIC = (
+    "mask",
+    "labels",
+    "weight_decay_mask",
+    "trust_ratio_mask",
+    "ns_coefficients",
+    "base_shapes",
+    "batch_dims",
+)
 
 
 def _injectable(value: Any) -> bool:
@@ -304,7 +313,9 @@ def _injectable(value: Any) -> bool:
     return False
 
 
-def inject_hyperparams(factory: Callable[..., Transform], *, static_args: tuple[str, ...] = ()) -> Callable[..., Transform]:
+def inject_hyperparams(
+    factory: Callable[..., Transform], *, static_args: tuple[str, ...] = ()
+) -> Callable[..., Transform]:
     """Wrap `factory` so its hyperparameters live in state as 0-d float64 tensors.
 
     Floats, 0-d tensors, schedules (callables) and tuples of them are injected;

@@ -55,8 +55,16 @@ class Engine:
     - "per-leaf DTensor": DTensor params the sharded path cannot take, eager, whole DTensors.
     """
 
-    def __init__(self, *, flat: FlatUpdate | None, sharded: Callable[[], FlatUpdate] | None, per_leaf: Callable,
-                 per_leaf_dtensor: Callable, compile: bool, flat_asked: bool) -> None:
+    def __init__(
+        self,
+        *,
+        flat: FlatUpdate | None,
+        sharded: Callable[[], FlatUpdate] | None,
+        per_leaf: Callable,
+        per_leaf_dtensor: Callable,
+        compile: bool,
+        flat_asked: bool,
+    ) -> None:
         self.flat, self.sharded, self.per_leaf, self.per_leaf_dtensor = flat, sharded, per_leaf, per_leaf_dtensor
         self.compile, self.flat_asked = compile, flat_asked
         self.path: _Path | None = None
@@ -82,7 +90,13 @@ class Engine:
             if engine is not None and engine.plans(params):
                 how = "flat buffers over this rank's blocks" if self.compile else "this rank's blocks in place, eager"
                 return _Path("sharded", f"DTensor params: {how}; {_sharded.describe(params)}", engine)
-            why = "flat=False" if self.flat_asked is False else "no sharded path here" if engine is None else engine.why_not
+            why = (
+                "flat=False"
+                if self.flat_asked is False
+                else "no sharded path here"
+                if engine is None
+                else engine.why_not
+            )
             return _Path("per-leaf DTensor", f"{why}; eager, on whole DTensors", self.per_leaf_dtensor)
         if self.flat is not None:
             if not _plain_leaves(params):

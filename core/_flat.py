@@ -111,7 +111,9 @@ class PackSpec:
     Compared by value (group keys and member paths), so trees packed from the same
     layout (params, grads, state entries) have equal pytree specs."""
 
-    def __init__(self, groups: Sequence[_Group], orig_spec: pytree.TreeSpec, proxy: Sequence[Tensor], shard: Any = None) -> None:
+    def __init__(
+        self, groups: Sequence[_Group], orig_spec: pytree.TreeSpec, proxy: Sequence[Tensor], shard: Any = None
+    ) -> None:
         self.groups = tuple(groups)
         self.shard = shard  # `_sharded.ShardInfo` when the leaves are this rank's FSDP2 shards
         self.orig_spec = orig_spec  # structure of the unpacked leaves, in `members_in_order`
@@ -163,7 +165,9 @@ class Packed(dict):
             if not isinstance(value, Tensor) or not holds(group, value.shape, group.shape):
                 raise Regroup.unsupported(f"a state entry of shape {getattr(value, 'shape', value)} per packed group")
             views.update((m.index, v) for m, v in zip(group.members, group.views(value)))
-        return pytree.tree_unflatten([views[m.index] for m in self.pack_spec.members_in_order], self.pack_spec.orig_spec)
+        return pytree.tree_unflatten(
+            [views[m.index] for m in self.pack_spec.members_in_order], self.pack_spec.orig_spec
+        )
 
 
 def pack_like(packed: Packed, tree: Any) -> Packed:
@@ -292,7 +296,9 @@ def _layout(leaves: list[tuple[str, Tensor]], tags: list[tuple]) -> list[_Group]
     return groups
 
 
-def plan(transform: Any, params: Any, *, tags: list[tuple] | None = None, shard: Any = None, max_rounds: int = 8) -> PackSpec:
+def plan(
+    transform: Any, params: Any, *, tags: list[tuple] | None = None, shard: Any = None, max_rounds: int = 8
+) -> PackSpec:
     """The grouping of `params`' leaves under which `transform` runs on packed buffers.
 
     Runs `init` and one `update` on tiny stand-ins; each `Regroup` refines the tags

@@ -246,7 +246,9 @@ class FlatUpdate:
 def _write_back(dst: Any, src: Any) -> None:
     """Inside a compiled step: the new leaves of `src` into the buffers of `dst` (inductor
     turns these copies into stores of the fused kernel)."""
-    pairs = [(d, n) for d, n in zip(pytree.tree_leaves(dst), pytree.tree_leaves(src)) if isinstance(d, Tensor) and d is not n]
+    pairs = [
+        (d, n) for d, n in zip(pytree.tree_leaves(dst), pytree.tree_leaves(src)) if isinstance(d, Tensor) and d is not n
+    ]
     # 0-d leaves (step counts, norms) by themselves: in one foreach copy with the buffers,
     # inductor (2.13) scheduled a count's store ahead of a later kernel that read the old count.
     for group in ([x for x in pairs if x[0].dim()], [x for x in pairs if not x[0].dim()]):
@@ -301,7 +303,9 @@ class FlatStep(FlatUpdate):
 
         return _compile_own(step, self.options.get(device.type, {}))
 
-    def __call__(self, params: Any, opt_state: Any, batch: Any, buffers: Any = None, with_buffers: bool = False) -> dict:
+    def __call__(
+        self, params: Any, opt_state: Any, batch: Any, buffers: Any = None, with_buffers: bool = False
+    ) -> dict:
         b = self.bound
         if b is None or self._params_moved(params):
             self._bind(params, opt_state, None)
@@ -312,12 +316,19 @@ class FlatStep(FlatUpdate):
             return b.fn(p, s, batch, buffers, with_buffers)
         # A CUDA graph reads its inputs at fixed addresses: the batch (and buffers) are
         # copied into tensors the graph owns; a new structure or shape captures anew.
-        key = (pytree.tree_structure((batch, buffers)), [getattr(x, "shape", x) for x in pytree.tree_leaves((batch, buffers))])
+        key = (
+            pytree.tree_structure((batch, buffers)),
+            [getattr(x, "shape", x) for x in pytree.tree_leaves((batch, buffers))],
+        )
         if b.input_key != key:
             b.input_key, b.graph, b.calls = key, None, 0
             b.inputs = pytree.tree_map(lambda x: x.clone() if isinstance(x, Tensor) else x, (batch, buffers))
         else:
-            pairs = [(d, x) for d, x in zip(pytree.tree_leaves(b.inputs), pytree.tree_leaves((batch, buffers))) if isinstance(d, Tensor)]
+            pairs = [
+                (d, x)
+                for d, x in zip(pytree.tree_leaves(b.inputs), pytree.tree_leaves((batch, buffers)))
+                if isinstance(d, Tensor)
+            ]
             torch._foreach_copy_([d for d, _ in pairs], [x for _, x in pairs])
         static_batch, static_buffers = b.inputs
         metrics = _run(b, [p, s, static_batch, static_buffers, with_buffers])

@@ -141,7 +141,9 @@ def leaf_norms(tree: Any, *lists: Sequence[Tensor]) -> list[Tensor] | list[list[
     acc = torch.float64 if any(x.dtype == torch.float64 for x in every) else torch.float32
     weights = shard.member_weights(tree.pack_spec, acc, every[0].device)
     parts = [
-        torch.sum(torch.square(x.to(acc)), dim=tuple(range(1, x.dim()))) if s else torch.sum(torch.square(x.to(acc))).reshape(1)
+        torch.sum(torch.square(x.to(acc)), dim=tuple(range(1, x.dim())))
+        if s
+        else torch.sum(torch.square(x.to(acc))).reshape(1)
         for xs in lists
         for x, s in zip(xs, flags)
     ]
@@ -166,7 +168,9 @@ def leaf_sums(tree: Any, xs: Sequence[Tensor]) -> list[Tensor]:
     if shard is None:
         return ls.member_sums(list(xs), flags)
     parts = [
-        torch.sum(x, dim=tuple(range(1, x.dim())), dtype=torch.float64) if s else torch.sum(x, dtype=torch.float64).reshape(1)
+        torch.sum(x, dim=tuple(range(1, x.dim())), dtype=torch.float64)
+        if s
+        else torch.sum(x, dtype=torch.float64).reshape(1)
         for x, s in zip(xs, flags)
     ]
     total = shard.all_reduce(torch.cat(parts) * shard.member_weights(tree.pack_spec, torch.float64, xs[0].device))
@@ -179,7 +183,11 @@ def leaf_sums(tree: Any, xs: Sequence[Tensor]) -> list[Tensor]:
 
 
 def map_matrices(
-    tree: Any, fn: Callable[[list[Tensor], list[int]], list[Tensor]], xs: Sequence[Tensor], *, batch_dims: Sequence[int] | None = None
+    tree: Any,
+    fn: Callable[[list[Tensor], list[int]], list[Tensor]],
+    xs: Sequence[Tensor],
+    *,
+    batch_dims: Sequence[int] | None = None,
 ) -> list[Tensor]:
     """`fn(leaves, lead) -> results` (same shapes) on whole leaves.
 

@@ -64,7 +64,9 @@ def _is_triple(c: Any) -> bool:
     )
 
 
-def _coefficient_schedule(ns_coefficients: Coefficients, ns_steps: int) -> tuple[list[tuple[float, float, float]], float]:
+def _coefficient_schedule(
+    ns_coefficients: Coefficients, ns_steps: int
+) -> tuple[list[tuple[float, float, float]], float]:
     """The (a, b, c) of every iteration, and the safety factor of the initial normalization."""
     if isinstance(ns_coefficients, str):
         if ns_coefficients != "polar_express":
@@ -181,8 +183,10 @@ def leaf_batch_dims(tree: PyTree, batch_dims: Any) -> list[int]:
             given = dict(tr.tree_flatten_with_path(batch_dims)[0])
             missing = [path for path, _ in pairs if path not in given]
             if missing:
-                raise ValueError(f"batch_dims must be an int, a callable (path, leaf) -> int or a tree of ints shaped "
-                                 f"like the params; it has no entry for leaf '{missing[0]}'")
+                raise ValueError(
+                    f"batch_dims must be an int, a callable (path, leaf) -> int or a tree of ints shaped "
+                    f"like the params; it has no entry for leaf '{missing[0]}'"
+                )
             values = [given[path] for path, _ in pairs]
         for (path, x), b in zip(pairs, values):
             if isinstance(b, bool) or not isinstance(b, int) or b < 0 or x.dim() - b < 2:
@@ -218,7 +222,9 @@ def check_muon_args(ns_steps: int, ns_coefficients: Coefficients, ns_dtype: Any,
     check_int("ns_steps", ns_steps, 1, below=100)
     _coefficient_schedule(ns_coefficients, ns_steps)
     if not isinstance(ns_dtype, torch.dtype) or not ns_dtype.is_floating_point:
-        raise ValueError(f"ns_dtype must be a floating torch.dtype (torch.bfloat16, torch.float32...), got {ns_dtype!r}")
+        raise ValueError(
+            f"ns_dtype must be a floating torch.dtype (torch.bfloat16, torch.float32...), got {ns_dtype!r}"
+        )
     if adjust_lr not in _ADJUST_LR:
         raise ValueError(f"adjust_lr must be one of {_ADJUST_LR}, got {adjust_lr!r}")
     check_positive("eps", eps)
@@ -331,7 +337,7 @@ def scale_by_muon(
 
 
 def muon_labels(params: Params) -> PyTree:
-    """"muon" for hidden >= 2-D matrices, "adamw" for embeddings, the output head, norms, biases and scalars.
+    """ "muon" for hidden >= 2-D matrices, "adamw" for embeddings, the output head, norms, biases and scalars.
 
     The leaves `ps.decay_mask` calls weight matrices, less the output head: the same
     classifier decides both. By rank then by the last two parts of the dotted name:
@@ -417,8 +423,17 @@ def muon(
         Amsel et al., The Polar Express: Optimal Matrix Sign Methods and Their Application to the Muon Algorithm, 2025.
     """
     block = scale_by_muon(
-        momentum, nesterov, ns_steps, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, adjust_lr=adjust_lr, eps=eps,
-        emulate_bf16=emulate_bf16, batch_dims=batch_dims, mu_dtype=mu_dtype, rounding=rounding,
+        momentum,
+        nesterov,
+        ns_steps,
+        ns_coefficients=ns_coefficients,
+        ns_dtype=ns_dtype,
+        adjust_lr=adjust_lr,
+        eps=eps,
+        emulate_bf16=emulate_bf16,
+        batch_dims=batch_dims,
+        mu_dtype=mu_dtype,
+        rounding=rounding,
     )
     return chain(block, _decay(weight_decay, cautious=cautious_weight_decay), scale_by_lr(lr))
 
@@ -480,12 +495,30 @@ def muon_adamw(
     return partition(
         {
             "muon": muon(
-                lr, momentum, nesterov, ns_steps, weight_decay, adjust_lr, ns_dtype, ns_coefficients,
-                emulate_bf16=emulate_bf16, batch_dims=batch_dims, cautious_weight_decay=cautious_weight_decay,
-                mu_dtype=mu_dtype, rounding=rounding,
+                lr,
+                momentum,
+                nesterov,
+                ns_steps,
+                weight_decay,
+                adjust_lr,
+                ns_dtype,
+                ns_coefficients,
+                emulate_bf16=emulate_bf16,
+                batch_dims=batch_dims,
+                cautious_weight_decay=cautious_weight_decay,
+                mu_dtype=mu_dtype,
+                rounding=rounding,
             ),
-            "adamw": adamw(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay, cautious_weight_decay=cautious_weight_decay,
-                           mu_dtype=mu_dtype, nu_dtype=nu_dtype, rounding=rounding),
+            "adamw": adamw(
+                adamw_lr,
+                adamw_betas,
+                adamw_eps,
+                adamw_weight_decay,
+                cautious_weight_decay=cautious_weight_decay,
+                mu_dtype=mu_dtype,
+                nu_dtype=nu_dtype,
+                rounding=rounding,
+            ),
         },
         labels,
     )

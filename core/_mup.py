@@ -13,7 +13,16 @@ import torch
 from torch import Tensor
 
 from . import _tree as tr
-from ._base import Params, PyTree, ScalarOrSchedule, Transform, check_betas, check_hyperparam, check_nonnegative, is_static
+from ._base import (
+    Params,
+    PyTree,
+    ScalarOrSchedule,
+    Transform,
+    check_betas,
+    check_hyperparam,
+    check_nonnegative,
+    is_static,
+)
 from ._combine import chain, identity
 from ._decay import scale_per_leaf
 from ._optimizers import _check_lr, _decay, sgd
@@ -75,7 +84,10 @@ def _width_mults(path: str, leaf: Any, dims: tuple[_Dim, ...]) -> list[float | N
             f"base_shapes entry '{path}' has {len(dims)} dims, but the leaf has shape {shape}; "
             "the base model must have the same layers, only narrower"
         )
-    return [size / base if base is not None and (forced or base != size) else None for size, (base, forced) in zip(shape, dims)]
+    return [
+        size / base if base is not None and (forced or base != size) else None
+        for size, (base, forced) in zip(shape, dims)
+    ]
 
 
 def _multiplier(path: str, mults: list[float | None], rule: str) -> float:
@@ -297,5 +309,7 @@ def mup_sgd(
     _check_lr(lr)
     sgd(lr, momentum, dampening, nesterov, weight_decay)  # the same checks as sgd's, naming the argument
     widths = scale_per_leaf(mup_rule(base_shapes, "sgd"))
-    momentum_step = identity() if is_static(momentum) and momentum == 0 else trace(momentum, nesterov, dampening=dampening)
+    momentum_step = (
+        identity() if is_static(momentum) and momentum == 0 else trace(momentum, nesterov, dampening=dampening)
+    )
     return chain(widths, _decay(weight_decay), momentum_step, scale_by_lr(lr))

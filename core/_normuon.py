@@ -172,8 +172,10 @@ def scale_by_normuon(
         if adjust_lr == "match_rms_adamw":  # η̂ = 0.2·√(AB)/‖Ô‖: RMS 0.2, as AdamW's
             scales = [0.2 * math.sqrt(a * c) / (norm + eps) for norm, (a, c) in zip(normed_norms, dims)]
         else:  # the authors' code: ‖O‖/‖Ô‖ keeps O's norm, then Muon's max(1, A/B)^0.5
-            scales = [o_norm / (norm + eps) * max(1.0, a / c) ** 0.5
-                      for o_norm, norm, (a, c) in zip(o_norms, normed_norms, dims)]
+            scales = [
+                o_norm / (norm + eps) * max(1.0, a / c) ** 0.5
+                for o_norm, norm, (a, c) in zip(o_norms, normed_norms, dims)
+            ]
         out = [(x * scale).to(g.dtype) for x, scale, g in zip(normed, scales, gs)]
         mu_tree = lp.store_moments(mu, state.mu, lp.moment_keys(state.count, rounding, state.mu))
         nu_tree = pytree.tree_unflatten(new_nu, pytree.tree_structure(state.nu))
@@ -241,8 +243,18 @@ def normuon(
     check_hyperparam("lr", lr)
     check_nonnegative("lr", lr)
     block = scale_by_normuon(
-        momentum, beta2, nesterov, ns_steps, ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, eps=eps,
-        adjust_lr=adjust_lr, emulate_bf16=emulate_bf16, batch_dims=batch_dims, mu_dtype=mu_dtype, rounding=rounding,
+        momentum,
+        beta2,
+        nesterov,
+        ns_steps,
+        ns_coefficients=ns_coefficients,
+        ns_dtype=ns_dtype,
+        eps=eps,
+        adjust_lr=adjust_lr,
+        emulate_bf16=emulate_bf16,
+        batch_dims=batch_dims,
+        mu_dtype=mu_dtype,
+        rounding=rounding,
     )
     return chain(block, add_decayed_weights(weight_decay), scale_by_lr(lr))
 
@@ -287,11 +299,31 @@ def normuon_adamw(
     """
     return partition(
         {
-            "muon": normuon(lr, momentum, beta2, nesterov, ns_steps, weight_decay, ns_dtype, ns_coefficients,
-                            eps, adjust_lr=adjust_lr, emulate_bf16=emulate_bf16, batch_dims=batch_dims, mu_dtype=mu_dtype,
-                            rounding=rounding),
-            "adamw": adamw(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay,
-                           mu_dtype=mu_dtype, nu_dtype=nu_dtype, rounding=rounding),
+            "muon": normuon(
+                lr,
+                momentum,
+                beta2,
+                nesterov,
+                ns_steps,
+                weight_decay,
+                ns_dtype,
+                ns_coefficients,
+                eps,
+                adjust_lr=adjust_lr,
+                emulate_bf16=emulate_bf16,
+                batch_dims=batch_dims,
+                mu_dtype=mu_dtype,
+                rounding=rounding,
+            ),
+            "adamw": adamw(
+                adamw_lr,
+                adamw_betas,
+                adamw_eps,
+                adamw_weight_decay,
+                mu_dtype=mu_dtype,
+                nu_dtype=nu_dtype,
+                rounding=rounding,
+            ),
         },
         labels,
     )

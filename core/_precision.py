@@ -432,7 +432,9 @@ def compensated_updates(*, method: str = "kahan") -> Transform:
         us, spec = pytree.tree_flatten(updates)
         cs, cspec = pytree.tree_flatten(state.compensation)
         if cspec != spec:
-            raise ValueError("compensated_updates: the updates are not structured like the params this state was built for")
+            raise ValueError(
+                "compensated_updates: the updates are not structured like the params this state was built for"
+            )
         out, new_cs = [], []
         for i, (p, u, c) in enumerate(zip(ps_, us, cs)):
             if p.dtype not in (torch.bfloat16, torch.float16):

@@ -144,8 +144,13 @@ def prodigy(
             out = ls.axpy(-dlr * wd, xs, out)
         unflat = lambda leaves, like: pytree.tree_unflatten(ls.cast_like(leaves, pytree.tree_leaves(like)), spec)  # noqa: E731
         new_state = ProdigyState(
-            unflat(ms, state.exp_avg), unflat(vs, state.exp_avg_sq), unflat(ss, state.grad_sum),
-            state.params0, d_new, r, state.count + 1,
+            unflat(ms, state.exp_avg),
+            unflat(vs, state.exp_avg_sq),
+            unflat(ss, state.grad_sum),
+            state.params0,
+            d_new,
+            r,
+            state.count + 1,
         )
         return pytree.tree_unflatten(ls.cast_like(out, gs), spec), new_state
 

@@ -248,7 +248,9 @@ def scale_by_adam(
         beta1, beta2 = resolve(b1, state.count), resolve(b2, state.count)
         if plain is None or not ls.leafwise([x for xs in plain for x in xs], beta1, beta2, eps, a, b):
             updates, new_state = update(grads, state, params)
-            ls.scale_add_(tr.check_match(params, updates, "params", "updates", dtype=False), a, b, tr.tree_leaves(updates))
+            ls.scale_add_(
+                tr.check_match(params, updates, "params", "updates", dtype=False), a, b, tr.tree_leaves(updates)
+            )
             return new_state
         t = (state.count + 1).to(torch.float64)
         _adam_apply_leafwise(*plain, beta1, beta2, 1.0 - beta1**t, 1.0 - beta2**t, eps, a, b)

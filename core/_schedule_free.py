@@ -157,7 +157,9 @@ def schedule_free_eval_params(state: OptState, params: Params) -> Params:
     """
     found = list(_states(state))
     if not found:
-        raise ValueError("state holds no schedule-free state: build the optimizer with ps.schedule_free_adamw or ps.schedule_free")
+        raise ValueError(
+            "state holds no schedule-free state: build the optimizer with ps.schedule_free_adamw or ps.schedule_free"
+        )
     pairs, spec = tr.tree_flatten_with_path(params)
     out = {path: y for path, y in pairs}
     for sf in found:
@@ -166,7 +168,9 @@ def schedule_free_eval_params(state: OptState, params: Params) -> Params:
         elif isinstance(sf.z, dict) and all(k in out for k in sf.z):
             zs = sf.z  # a partition's or mask's flat dict(path -> z)
         else:
-            raise ValueError("params are not structured like the schedule-free state's z: pass the params the optimizer was built for")
+            raise ValueError(
+                "params are not structured like the schedule-free state's z: pass the params the optimizer was built for"
+            )
         for path, z in zs.items():
             y = out[path]
             if z.shape != y.shape:
@@ -175,4 +179,3 @@ def schedule_free_eval_params(state: OptState, params: Params) -> Params:
             weight = (1.0 - 1.0 / sf.b1).to(device=y.device, dtype=y.dtype)
             out[path] = torch.lerp(y, z.to(y.dtype), weight)
     return tr.tree_unflatten([out[p] for p, _ in pairs], spec)
-

@@ -133,8 +133,9 @@ class ShardInfo:
     the collectives `_layout` runs over it. Off (`active=False`) while a layout is planned:
     the dry runs on stand-ins then reduce locally and communicate nothing."""
 
-    def __init__(self, group: Any, world: int, rank: int, slices: list[_Slice],
-                 replicas: tuple[Any, int, int] | None = None) -> None:
+    def __init__(
+        self, group: Any, world: int, rank: int, slices: list[_Slice], replicas: tuple[Any, int, int] | None = None
+    ) -> None:
         self.group, self.world, self.rank = group, world, rank
         self.slices = slices  # by leaf index (flatten order of the params)
         # HSDP: (the group of this rank's replicas, their number, this rank's index among them)
@@ -156,8 +157,11 @@ class ShardInfo:
 
     def member_weights(self, spec: PackSpec, dtype: torch.dtype, device: Any) -> Tensor:
         """`group_weights` per member, in the order `_layout.leaf_norms` lays them out."""
-        return torch.tensor([self._weight(m.index) for g in spec.groups for m in (g.members if g.is_stack else g.members[:1])],
-                            dtype=dtype, device=device)
+        return torch.tensor(
+            [self._weight(m.index) for g in spec.groups for m in (g.members if g.is_stack else g.members[:1])],
+            dtype=dtype,
+            device=device,
+        )
 
     # -- collectives --------------------------------------------------------------
     def all_reduce(self, t: Tensor) -> Tensor:
@@ -186,6 +190,7 @@ class ShardInfo:
         so with R replicas of S ranks each rank computes about 1/(R·S) of the work. A pure
         function of the shapes: every rank computes the same assignment."""
         if indices not in self._owners:
+
             def cost(i: int) -> int:
                 rows, cols = self.slices[i].shape[0], self.slices[i].row_numel
                 return rows * cols * min(rows, cols)
@@ -223,7 +228,9 @@ class ShardInfo:
             out.append(torch.stack(parts) if g.is_stack else parts[0])
         return out
 
-    def _owner_computes(self, indices: tuple[int, ...], blocks: dict[int, Tensor], fn: Callable, lead: dict[int, int]) -> dict[int, Tensor]:
+    def _owner_computes(
+        self, indices: tuple[int, ...], blocks: dict[int, Tensor], fn: Callable, lead: dict[int, int]
+    ) -> dict[int, Tensor]:
         owner, me, world = self.owners(indices), self.rank, self.world
         mine = [i for i in indices if owner[i] == me]
         dtype = blocks[indices[0]].dtype
@@ -240,7 +247,11 @@ class ShardInfo:
             whole.append(torch.cat(rows) if len(rows) > 1 else rows[0])
         done = _replicas_compute(self, indices, mine, whole, fn, lead) if whole else []
         # Results back: to rank d, its rows of every matrix I own.
-        back = [o[sl[i].starts[d] : sl[i].starts[d] + sl[i].counts[d]].reshape(-1) for d in range(world) for i, o in zip(mine, done)]
+        back = [
+            o[sl[i].starts[d] : sl[i].starts[d] + sl[i].counts[d]].reshape(-1)
+            for d in range(world)
+            for i, o in zip(mine, done)
+        ]
         in_splits = [sum(sl[i].counts[d] * sl[i].row_numel for i in mine) for d in range(world)]
         out_splits = [sum(sl[i].counts[me] * sl[i].row_numel for i in indices if owner[i] == s) for s in range(world)]
         ref = done[0] if done else blocks[indices[0]]
@@ -257,15 +268,20 @@ def describe(params: Any) -> str:
     except ValueError as e:
         return str(e)
     if info.replicas > 1:
-        return (f"HSDP, {info.replicas} replicas x {info.world} shards: reductions are one all_reduce within each "
-                f"replica's {info.world} ranks; whole-matrix math is owner-computes over all {info.replicas * info.world} "
-                "ranks (an all_to_all each way within a replica, one all_reduce across replicas)")
-    return (f"FSDP over {info.world} rank(s): reductions are one all_reduce each; whole-matrix math is owner-computes "
-            "(an all_to_all each way)")
+        return (
+            f"HSDP, {info.replicas} replicas x {info.world} shards: reductions are one all_reduce within each "
+            f"replica's {info.world} ranks; whole-matrix math is owner-computes over all {info.replicas * info.world} "
+            "ranks (an all_to_all each way within a replica, one all_reduce across replicas)"
+        )
+    return (
+        f"FSDP over {info.world} rank(s): reductions are one all_reduce each; whole-matrix math is owner-computes "
+        "(an all_to_all each way)"
+    )
 
 
-def _replicas_compute(info: ShardInfo, indices: tuple[int, ...], mine: list[int], whole: list[Tensor],
-                      fn: Callable, lead: dict[int, int]) -> list[Tensor]:
+def _replicas_compute(
+    info: ShardInfo, indices: tuple[int, ...], mine: list[int], whole: list[Tensor], fn: Callable, lead: dict[int, int]
+) -> list[Tensor]:
     """`fn` on the whole matrices this rank owns. Without replicas, on all of them. With
     HSDP's replicas, each replica's owner computes its share (`computing_replica`) and one
     all_reduce over the replicas (zeros where another computed: the sum is exact) gives
@@ -275,7 +291,9 @@ def _replicas_compute(info: ShardInfo, indices: tuple[int, ...], mine: list[int]
     replica = info.computing_replica(indices)
     todo = [k for k, i in enumerate(mine) if replica[i] == info.replica]
     results = dict(zip(todo, fn([whole[k] for k in todo], [lead[mine[k]] for k in todo]))) if todo else {}
-    flat = torch.cat([results[k].reshape(-1) if k in results else torch.zeros_like(w).reshape(-1) for k, w in enumerate(whole)])
+    flat = torch.cat(
+        [results[k].reshape(-1) if k in results else torch.zeros_like(w).reshape(-1) for k, w in enumerate(whole)]
+    )
     import torch.distributed._functional_collectives as fc
 
     flat = fc.wait_tensor(fc.all_reduce(flat, "sum", info.replica_group))
@@ -292,14 +310,23 @@ def shard_info(params: Any) -> ShardInfo:
     computes the same values by the same ops and the replicas stay bitwise identical."""
     pairs, _ = tr.tree_flatten_with_path(params)
     # One mesh (fully_shard per block makes equal mesh objects: compared by their ranks).
-    meshes = {(x.device_mesh.device_type, tuple(x.device_mesh.mesh.shape), tuple(x.device_mesh.mesh.flatten().tolist())):
-              x.device_mesh for _, x in pairs if is_dtensor(x)}
+    meshes = {
+        (
+            x.device_mesh.device_type,
+            tuple(x.device_mesh.mesh.shape),
+            tuple(x.device_mesh.mesh.flatten().tolist()),
+        ): x.device_mesh
+        for _, x in pairs
+        if is_dtensor(x)
+    }
     if len(meshes) != 1:
         raise ValueError(f"the params' DTensors live on {len(meshes)} device meshes; purestep's sharded step takes one")
     mesh = next(iter(meshes.values()))
     dims = {d for p, x in pairs if is_dtensor(x) for d in [_shard_dim(p, x)] if d is not None}
     if len(dims) > 1:
-        raise ValueError(f"the params are split along mesh dims {sorted(dims)}; purestep's sharded step takes one shard dim")
+        raise ValueError(
+            f"the params are split along mesh dims {sorted(dims)}; purestep's sharded step takes one shard dim"
+        )
     dim = dims.pop() if dims else mesh.ndim - 1
     group = mesh.get_group(dim) if mesh.ndim > 1 else mesh.get_group()
     world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
@@ -353,7 +380,9 @@ class ShardedUpdate(FlatUpdate):
         for i, (path, x) in enumerate(pairs):
             user, view = local(x), views[i]
             if user.shape != view.shape or user.dtype != view.dtype:
-                raise ValueError(f"param '{path}': expected {tuple(view.shape)} {view.dtype}, got {tuple(user.shape)} {user.dtype}")
+                raise ValueError(
+                    f"param '{path}': expected {tuple(view.shape)} {view.dtype}, got {tuple(user.shape)} {user.dtype}"
+                )
             if aliases(user, view):
                 continue
             if not _move_storage(user, view, raw_end[i] - view.data_ptr()):
@@ -383,12 +412,20 @@ class ShardedUpdate(FlatUpdate):
 
     def plan_layout(self, params: Any) -> Any:
         info = shard_info(params)
-        return plan(self.transform, local_tree(params), tags=[(("sharded", s.sharded),) for s in info.slices], shard=info)
+        return plan(
+            self.transform, local_tree(params), tags=[(("sharded", s.sharded),) for s in info.slices], shard=info
+        )
 
     def slack(self, params: Any, group: Any) -> int:
         """Room for the padding FSDP2 keeps past a block (its storage is the padded shard)."""
         leaves = pytree.tree_leaves(params)
-        return max([leaves[m.index].untyped_storage().nbytes() // leaves[m.index].element_size() - m.numel for m in group.members] + [0])
+        return max(
+            [
+                leaves[m.index].untyped_storage().nbytes() // leaves[m.index].element_size() - m.numel
+                for m in group.members
+            ]
+            + [0]
+        )
 
 
 class ShardedEager:

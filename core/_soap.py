@@ -10,7 +10,6 @@ CPU, where reading the count costs nothing, they are plain branches).
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import torch
@@ -92,8 +91,11 @@ def _plain(pred: Tensor) -> bool:
     """Whether `_cond` on `pred` runs a plain branch: eagerly, with `pred` on the CPU, where
     reading it costs nothing (an eager cond traces its branches through dynamo for every
     leaf and step, ms each)."""
-    return (not torch.compiler.is_compiling() and pred.device.type == "cpu"
-            and torch._C._functorch.peek_interpreter_stack() is None)
+    return (
+        not torch.compiler.is_compiling()
+        and pred.device.type == "cpu"
+        and torch._C._functorch.peek_interpreter_stack() is None
+    )
 
 
 def _cond(pred: Tensor, true_fn: Any, false_fn: Any, operands: tuple) -> Any:
@@ -217,8 +219,13 @@ def scale_by_soap(
         mats = lambda p: tuple(torch.zeros((d, d), dtype=wide(p), device=p.device) for d in factor_dims(p))  # noqa: E731
         zeros = lambda p: torch.zeros(p.shape, dtype=wide(p), device=p.device)  # noqa: E731
         moments = lambda d: pytree.tree_map(zeros, params) if d is None else lp.init_moments(params, d)  # noqa: E731
-        return SOAPState(zero_count(leaf_device(leaves)), moments(mu_dtype), moments(nu_dtype),
-                         pytree.tree_map(mats, params), pytree.tree_map(mats, params))
+        return SOAPState(
+            zero_count(leaf_device(leaves)),
+            moments(mu_dtype),
+            moments(nu_dtype),
+            pytree.tree_map(mats, params),
+            pytree.tree_map(mats, params),
+        )
 
     def update(grads, state, params=None, **extra):
         count = state.count
@@ -233,9 +240,14 @@ def scale_by_soap(
         # The moments in the compute dtype (float32, or float64 for float64 params), whatever they are stored in.
         gs, wide, mu_in = lp.load_moments(grads, state.mu, params)
         nu_in = lp.load_moments(grads, state.nu, second=True)[2]
-        pairs = zip(gs, wide, mu_in, nu_in,
-                    pytree.tree_leaves(state.gg, is_leaf=lambda x: isinstance(x, tuple)),
-                    pytree.tree_leaves(state.q, is_leaf=lambda x: isinstance(x, tuple)))
+        pairs = zip(
+            gs,
+            wide,
+            mu_in,
+            nu_in,
+            pytree.tree_leaves(state.gg, is_leaf=lambda x: isinstance(x, tuple)),
+            pytree.tree_leaves(state.q, is_leaf=lambda x: isinstance(x, tuple)),
+        )
         for g, g_wide, mu, nu, gg, q in pairs:
             shape = shape_of(g)
             cd = torch.promote_types(g.dtype, torch.float32)  # the factors' dtype too
@@ -367,19 +379,35 @@ def soap(
     check_nonnegative("lr", lr)
     check_hyperparam("weight_decay", weight_decay)
     check_nonnegative("weight_decay", weight_decay)
-    inner = scale_by_soap(betas[0], betas[1], shampoo_beta, eps, precondition_frequency, max_precond_dim, merge_dims,
-                          precondition_1d, normalize_grads, correct_bias, mu_dtype=mu_dtype, nu_dtype=nu_dtype,
-                          rounding=rounding)
+    inner = scale_by_soap(
+        betas[0],
+        betas[1],
+        shampoo_beta,
+        eps,
+        precondition_frequency,
+        max_precond_dim,
+        merge_dims,
+        precondition_1d,
+        normalize_grads,
+        correct_bias,
+        mu_dtype=mu_dtype,
+        nu_dtype=nu_dtype,
+        rounding=rounding,
+    )
 
     def update(grads, state, params=None, **extra):
         if params is None:
-            raise ValueError("soap needs params (its decay acts on the updated params): call update(grads, state, params)")
+            raise ValueError(
+                "soap needs params (its decay acts on the updated params): call update(grads, state, params)"
+            )
         count = state.count
         eta, lam = (as_float64(resolve(x, count), count.device) for x in (lr, weight_decay))
         direction, state = inner.update(grads, state, params)
         keep = once(eta * lam)
         # p' = (p − η·d)(1 − ηλ)  ⇒  u = −η·d − ηλ·(p − η·d)
-        out = pytree.tree_map(lambda d, p: (-(eta * d) - keep * (p - eta * d)).to(p.dtype) * (count > 0), direction, params)
+        out = pytree.tree_map(
+            lambda d, p: (-(eta * d) - keep * (p - eta * d)).to(p.dtype) * (count > 0), direction, params
+        )
         return out, state
 
     return Transform(inner.init, update)

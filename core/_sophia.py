@@ -71,7 +71,9 @@ def scale_by_sophia(
     def init(params: Params) -> ScaleBySophiaState:
         leaves = pytree.tree_leaves(params)
         # float16 params get float32 state, and the math below runs in float32 at least.
-        return ScaleBySophiaState(zero_count(leaf_device(leaves)), lp.init_moments(params, None), lp.init_moments(params, None))
+        return ScaleBySophiaState(
+            zero_count(leaf_device(leaves)), lp.init_moments(params, None), lp.init_moments(params, None)
+        )
 
     def update(grads, state, params=None, *, hessian: PyTree = None, **extra):
         gs, wide, mu = lp.load_moments(grads, state.mu, params)
@@ -92,7 +94,9 @@ def scale_by_sophia(
         # u = sign(m) · min(|m| / (ρ·h + ε), 1)
         out = [torch.sign(m) * torch.clamp(m.abs() / d, max=1.0) for m, d in zip(mu, denom)]
         out = ls.cast_like(out, gs)
-        new = ScaleBySophiaState(state.count + 1, lp.store_moments(mu, state.mu, None), lp.store_moments(hs, state.hessian, None))
+        new = ScaleBySophiaState(
+            state.count + 1, lp.store_moments(mu, state.mu, None), lp.store_moments(hs, state.hessian, None)
+        )
         return pytree.tree_unflatten(out, spec), new
 
     return Transform(init, update)

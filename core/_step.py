@@ -280,8 +280,11 @@ def _amp_inputs(grads: PyTree, grad_scale: Tensor | None, found_inf: Tensor | No
             raise ValueError(f"{name} must be a one-element tensor (as torch.amp.GradScaler sets it), got {value!r}")
     leaves = [x for x in pytree.tree_leaves(grads) if isinstance(x, Tensor)]
     device = _sharded.local(leaves[0]).device if leaves else torch.device("cpu")
-    as_scalar = lambda v, default: (torch.full((), default, dtype=torch.float32, device=device) if v is None  # noqa: E731
-                                    else v.reshape(()).to(device=device, dtype=torch.float32, non_blocking=True))
+    as_scalar = lambda v, default: (
+        torch.full((), default, dtype=torch.float32, device=device)
+        if v is None  # noqa: E731
+        else v.reshape(()).to(device=device, dtype=torch.float32, non_blocking=True)
+    )
     return as_scalar(grad_scale, 1.0), as_scalar(found_inf, 0.0)
 
 
@@ -329,7 +332,12 @@ def _maybe_compile(fn: Callable, compile: bool) -> Callable:
 
 
 def make_update(
-    optimizer: Transform, *, compile: bool = False, donate: bool = False, ema: Any = None, flat: bool = True,
+    optimizer: Transform,
+    *,
+    compile: bool = False,
+    donate: bool = False,
+    ema: Any = None,
+    flat: bool = True,
     metrics: bool = False,
 ) -> Callable[..., tuple]:
     """The optimizer half of a step, for gradients from `loss.backward()`.
@@ -473,8 +481,14 @@ def make_update(
         flat_asked=flat,
     )
 
-    def update(params: Params, grads: PyTree, opt_state: OptState, *ema_state: Any,
-               grad_scale: Tensor | None = None, found_inf: Tensor | None = None) -> tuple:
+    def update(
+        params: Params,
+        grads: PyTree,
+        opt_state: OptState,
+        *ema_state: Any,
+        grad_scale: Tensor | None = None,
+        found_inf: Tensor | None = None,
+    ) -> tuple:
         if len(ema_state) != (averaging is not None):
             want = "(params, grads, opt_state, ema_state)" if averaging else "(params, grads, opt_state)"
             raise TypeError(f"update takes {want}; got {3 + len(ema_state)} arguments")

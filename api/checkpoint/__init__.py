@@ -45,8 +45,19 @@ from ._format import verify_file as verify_file
 from ._io import Checkpoint as Checkpoint
 from ._io import verify_checkpoint as verify_checkpoint
 
-__all__ = ["Checkpoint", "CheckpointError", "CheckpointManager", "Manifest", "checkpoint_dir", "latest_checkpoint",
-           "load_checkpoint", "load_distributed", "read_manifest", "save_checkpoint", "verify_checkpoint"]
+__all__ = [
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointManager",
+    "Manifest",
+    "checkpoint_dir",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "load_distributed",
+    "read_manifest",
+    "save_checkpoint",
+    "verify_checkpoint",
+]
 
 
 def checkpoint_dir(run_dir: str | os.PathLike, step: int) -> Path:
@@ -107,8 +118,17 @@ def save_checkpoint(
         tensor([1., 1.])
     """
     world = D.current_world() if distributed else store.ONE
-    return store.save(Path(path), (params, opt_state, ema), step=step, world=world, layout="dcp" if distributed else "files",
-                      extras=(config, metadata, data_state), rng=rng, keep_last=keep_last, is_good=store.verifies)
+    return store.save(
+        Path(path),
+        (params, opt_state, ema),
+        step=step,
+        world=world,
+        layout="dcp" if distributed else "files",
+        extras=(config, metadata, data_state),
+        rng=rng,
+        keep_last=keep_last,
+        is_good=store.verifies,
+    )
 
 
 # --------------------------------------------------------------------------- #
@@ -136,8 +156,14 @@ def load_checkpoint(
       device: where to put params (and flat trees); default CPU.
     """
     dev = torch.device("cpu" if device is None else device)
-    return store.load(Path(path), (None, opt_state_like, ema_like), ("params", "opt_state_like", "ema_like"), store.ONE,
-                      flat=True, device=dev)
+    return store.load(
+        Path(path),
+        (None, opt_state_like, ema_like),
+        ("params", "opt_state_like", "ema_like"),
+        store.ONE,
+        flat=True,
+        device=dev,
+    )
 
 
 def load_distributed(
@@ -209,8 +235,9 @@ class CheckpointManager:
         tensor([30., 30.])
     """
 
-    def __init__(self, run_dir: str | os.PathLike, *, keep_last: int = 3, world: D.World | None = None,
-                 distributed: bool = False) -> None:
+    def __init__(
+        self, run_dir: str | os.PathLike, *, keep_last: int = 3, world: D.World | None = None, distributed: bool = False
+    ) -> None:
         check_int("keep_last", keep_last, 1)
         self.run_dir, self.folder = Path(run_dir), Path(run_dir) / "checkpoints"
         self.keep_last, self.distributed = keep_last, distributed
@@ -243,8 +270,17 @@ class CheckpointManager:
         self._lock.release()
         self._holding = False
 
-    def save(self, step: int, *, params: Any, opt_state: Any = None, ema: Any = None, config: Any = None,
-             data_state: Any = None, metadata: dict[str, Any] | None = None) -> Path | None:
+    def save(
+        self,
+        step: int,
+        *,
+        params: Any,
+        opt_state: Any = None,
+        ema: Any = None,
+        config: Any = None,
+        data_state: Any = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> Path | None:
         """Write the checkpoint of `step` (every rank calls); its path on rank 0, None elsewhere.
 
         Crashed saves' leftovers are removed first. Raises `CheckpointError` (one line
@@ -252,9 +288,17 @@ class CheckpointManager:
         `RunDirError` when another process holds the run directory (see `hold`).
         """
         self.hold()
-        path = store.save(checkpoint_dir(self.run_dir, step), (params, opt_state, ema), step=step, world=self.world,
-                          layout="dcp" if self.distributed else "files", extras=(config, metadata, data_state), rng=True,
-                          keep_last=self.keep_last, is_good=self._is_good)
+        path = store.save(
+            checkpoint_dir(self.run_dir, step),
+            (params, opt_state, ema),
+            step=step,
+            world=self.world,
+            layout="dcp" if self.distributed else "files",
+            extras=(config, metadata, data_state),
+            rng=True,
+            keep_last=self.keep_last,
+            is_good=self._is_good,
+        )
         if self.world.main:
             self._good[path] = read_manifest(path).checksum  # hashed as it was written
             self._good = {p: c for p, c in self._good.items() if p.is_dir()}  # pruned ones go: bounded by keep_last
@@ -269,21 +313,29 @@ class CheckpointManager:
         """Whether the run holds any checkpoint directory, loadable or not."""
         return bool(dirs.candidates(self.folder))
 
-    def load(self, path: str | os.PathLike, *, params_like: Any, opt_state_like: Any = None,
-             ema_like: Any = None) -> Checkpoint:
+    def load(
+        self, path: str | os.PathLike, *, params_like: Any, opt_state_like: Any = None, ema_like: Any = None
+    ) -> Checkpoint:
         """Load `path` into trees laid out like the `*_like` trees (plain tensors or DTensors of any world size).
 
         Every file is verified first. A tensor missing, extra, or of another shape or dtype
         raises `CheckpointError` naming it and both shapes: nothing is ever broadcast.
         """
         root = Path(path)
-        c = store.load(root, (params_like, opt_state_like, ema_like), ("params_like", "opt_state_like", "ema_like"),
-                       self.world)
+        c = store.load(
+            root, (params_like, opt_state_like, ema_like), ("params_like", "opt_state_like", "ema_like"), self.world
+        )
         self._good[root] = c.manifest.checksum
         return c
 
-    def restore(self, *, params_like: Any, opt_state_like: Any = None, ema_like: Any = None,
-                check: Callable[[Path, Manifest], None] | None = None) -> Checkpoint | None:
+    def restore(
+        self,
+        *,
+        params_like: Any,
+        opt_state_like: Any = None,
+        ema_like: Any = None,
+        check: Callable[[Path, Manifest], None] | None = None,
+    ) -> Checkpoint | None:
         """The newest checkpoint that loads, for a resume or a rewind; None when none does.
 
         A checkpoint that does not load is reported in one line on stderr, naming it and

@@ -45,8 +45,10 @@ def chunks(root: Path, manifest: Manifest) -> list[Chunk]:
         rows, meta = read_header(root / name)
         try:
             info = json.loads(meta.get(_SHARDING, "{}"))
-            offsets = {key: tuple(int(o) for o in info[key]["saved_offsets"]) if key in info else (0,) * len(shape)
-                       for key, shape, _ in rows}
+            offsets = {
+                key: tuple(int(o) for o in info[key]["saved_offsets"]) if key in info else (0,) * len(shape)
+                for key, shape, _ in rows
+            }
         except (ValueError, TypeError, KeyError) as e:
             raise CheckpointError(f"{root / name}: unreadable {_SHARDING} header ({type(e).__name__}: {e})") from None
         out += [Chunk(key, name, key, offsets[key], shape, DTYPES[code]) for key, shape, code in rows]

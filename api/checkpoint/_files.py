@@ -19,7 +19,6 @@ from ._format import DTYPES, GROUPS, FileEntry, Manifest, read_header, write_ten
 from ._reader import Chunk
 
 
-
 def write(tmp: Path, state: dict[str, Tensor], order: dict[str, list[str]], world: D.World) -> dict[str, FileEntry]:
     """Rank 0 writes one file per group into `tmp` (every rank calls: DTensors are gathered); its files."""
     state = D.full_tree(state)
@@ -52,5 +51,7 @@ def chunks(root: Path, manifest: Manifest) -> list[Chunk]:
         group = name.removesuffix(".safetensors")
         if group in GROUPS:
             rows, _ = read_header(root / name)
-            out += [Chunk(f"{group}.{key}", name, key, (0,) * len(shape), shape, DTYPES[code]) for key, shape, code in rows]
+            out += [
+                Chunk(f"{group}.{key}", name, key, (0,) * len(shape), shape, DTYPES[code]) for key, shape, code in rows
+            ]
     return out

@@ -77,8 +77,18 @@ def verify_checkpoint(path: str | os.PathLike) -> Manifest:
     return manifest
 
 
-def save(final: Path, trees: tuple[Any, Any, Any], *, step: int, world: D.World, layout: str, extras: tuple,
-          rng: bool, keep_last: int | None, is_good: Callable[[Path], bool]) -> Path:
+def save(
+    final: Path,
+    trees: tuple[Any, Any, Any],
+    *,
+    step: int,
+    world: D.World,
+    layout: str,
+    extras: tuple,
+    rng: bool,
+    keep_last: int | None,
+    is_good: Callable[[Path], bool],
+) -> Path:
     """The one save: rank 0 prepares a temporary directory, the layout writes into it, rank 0 seals and publishes."""
     check_int("step", step)
     if keep_last is not None:
@@ -119,9 +129,18 @@ def save(final: Path, trees: tuple[Any, Any, Any], *, step: int, world: D.World,
             if rng:
                 files["rng.safetensors"] = write_tensors(tmp / "rng.safetensors", _rng_tensors())
             manifest = Manifest(
-                step=step, files=dict(sorted(files.items())), versions=_versions(), created_unix=time.time(),
-                config=config, data_state=data_state, metadata=metadata,
-                python_rng=_python_rng() if rng else None, layout=layout, world_size=world.size, order=order, complex=complex_keys,
+                step=step,
+                files=dict(sorted(files.items())),
+                versions=_versions(),
+                created_unix=time.time(),
+                config=config,
+                data_state=data_state,
+                metadata=metadata,
+                python_rng=_python_rng() if rng else None,
+                layout=layout,
+                world_size=world.size,
+                order=order,
+                complex=complex_keys,
             )
             write_bytes(tmp / MANIFEST, encode_manifest(manifest))
             fsync_dir(tmp)
@@ -255,8 +274,16 @@ def _versions() -> dict[str, str]:
     }
 
 
-def load(root: Path, likes: tuple[Any, Any, Any], names: tuple[str, str, str], world: D.World, *,
-         flat: bool = False, device: torch.device | None = None, verify: bool = True) -> Checkpoint:
+def load(
+    root: Path,
+    likes: tuple[Any, Any, Any],
+    names: tuple[str, str, str],
+    world: D.World,
+    *,
+    flat: bool = False,
+    device: torch.device | None = None,
+    verify: bool = True,
+) -> Checkpoint:
     """The one load: rank 0 verifies, every rank checks the trees against the checkpoint, DCP reads the regions.
 
     A tree given as None is not loaded, or with `flat` loaded whole as `dict(path -> tensor)` on `device`.
@@ -287,7 +314,9 @@ def load(root: Path, likes: tuple[Any, Any, Any], names: tuple[str, str, str], w
     trees = []
     for group, present, paths, spec in plan:
         leaves = [state[f"{group}.{p}"] for p in paths]
-        trees.append(None if not present else dict(zip(paths, leaves)) if spec is None else ps.tree_unflatten(leaves, spec))
+        trees.append(
+            None if not present else dict(zip(paths, leaves)) if spec is None else ps.tree_unflatten(leaves, spec)
+        )
     return Checkpoint(*trees, manifest.step, manifest, rng)
 
 
@@ -295,8 +324,15 @@ def _complex_of(real: torch.dtype) -> torch.dtype | None:
     return {torch.float32: torch.complex64, torch.float64: torch.complex128}.get(real)
 
 
-def _targets(root: Path, manifest: Manifest, wholes: dict[str, Whole], likes: tuple[Any, Any, Any],
-             names: tuple[str, str, str], flat: bool, device: torch.device | None) -> tuple[dict[str, Tensor], list]:
+def _targets(
+    root: Path,
+    manifest: Manifest,
+    wholes: dict[str, Whole],
+    likes: tuple[Any, Any, Any],
+    names: tuple[str, str, str],
+    flat: bool,
+    device: torch.device | None,
+) -> tuple[dict[str, Tensor], list]:
     """Empty tensors to load into (`fqn -> tensor`: laid out like the `likes` leaves, or whole on `device`),
     after checking each tree against the checkpoint leaf for leaf; and per group how to rebuild it:
     `(group, present, paths, treespec or None for a flat dict)`."""

@@ -77,8 +77,12 @@ class RunLock:
                         "or stop it, or pass another --out"
                     ) from None
                 self.enforced = False
-                print(f"purestep: warning: {self.run_dir}: the file system does not lock files ({e.strerror}); "
-                      "a second run writing here at the same time is not refused", file=sys.stderr, flush=True)
+                print(
+                    f"purestep: warning: {self.run_dir}: the file system does not lock files ({e.strerror}); "
+                    "a second run writing here at the same time is not refused",
+                    file=sys.stderr,
+                    flush=True,
+                )
             os.ftruncate(fd, 0)
             os.pwrite(fd, (holder_line() + "\n").encode(), 0)
             _held[key] = [fd, 1]

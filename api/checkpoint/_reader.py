@@ -168,7 +168,9 @@ def _sealed_reader(root: Path, wholes: dict[str, Whole]) -> Any:
                         data = f.get_slice(key)[region] if region else f.get_tensor(key)
                         target = planner.resolve_tensor(item).detach()
                         if data.shape != target.shape:  # planned from our own metadata: never, unless a file lies
-                            raise CheckpointError(f"{root / file}: '{key}' is {list(data.shape)}, not {list(target.shape)}")
+                            raise CheckpointError(
+                                f"{root / file}: '{key}' is {list(data.shape)}, not {list(target.shape)}"
+                            )
                         target.copy_(data)
                         planner.commit_tensor(item, target)
             done: torch.futures.Future = torch.futures.Future()

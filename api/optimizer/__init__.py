@@ -98,7 +98,9 @@ class Optimizer(torch.optim.Optimizer):
         **hyperparams: Any,
     ) -> None:
         if differentiable and compile:
-            raise ValueError("differentiable=True runs the pure update eagerly, so autograd records it; drop compile=True")
+            raise ValueError(
+                "differentiable=True runs the pure update eagerly, so autograd records it; drop compile=True"
+            )
         self._differentiable = bool(differentiable)
         if differentiable:
             compile = False
@@ -145,7 +147,9 @@ class Optimizer(torch.optim.Optimizer):
                 f"got {getattr(transform, '__name__', type(transform).__name__)}"
             )
         flags = {"foreach": foreach, "fused": fused, "capturable": capturable, "differentiable": differentiable}
-        defaults.update({k: v for k, v in flags.items() if k in defaults or v})  # what the caller said, as torch keeps it
+        defaults.update(
+            {k: v for k, v in flags.items() if k in defaults or v}
+        )  # what the caller said, as torch keeps it
         super().__init__(params, defaults)
         self.state = TorchState(self._expose_all)  # torch's state, the buffers filled in when read
         if self._factory is None:  # what schedulers read (OneCycleLR checks for "betas"/"momentum")
@@ -218,8 +222,11 @@ class Optimizer(torch.optim.Optimizer):
             transform = ps.inject_hyperparams(self._factory)(**kwargs)
             # Keys neither the factory nor torch's class takes (timm's "lr_scale") stay in the group, unread.
             known = set(kwargs) | (set(expect) | set(mirror.renames.values()) if mirror is not None else set())
-            static = {k: v for k, v in group.items()
-                      if k in known and k not in L.STRUCTURE_KEYS and k not in L.IMPLEMENTATION_KEYS}
+            static = {
+                k: v
+                for k, v in group.items()
+                if k in known and k not in L.STRUCTURE_KEYS and k not in L.IMPLEMENTATION_KEYS
+            }
         else:
             transform = own if own is not None else self.transform
         numel = sum(p.numel() for p in params)
@@ -351,7 +358,9 @@ class Optimizer(torch.optim.Optimizer):
                 exported = L.export_torch(g.state, g.names, ids, g.mirror, group)
                 for i, p in zip(ids, group["params"]):
                     if p.is_complex() and i in exported:  # torch keeps a complex param's buffers complex
-                        exported[i] = {k: v if k == "step" else torch.view_as_complex(v) for k, v in exported[i].items()}
+                        exported[i] = {
+                            k: v if k == "step" else torch.view_as_complex(v) for k, v in exported[i].items()
+                        }
                 state.update(exported)
             else:
                 per, packed["shared_state"] = L.export_generic(g.state, g.names, ids)
@@ -383,7 +392,9 @@ class Optimizer(torch.optim.Optimizer):
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not isinstance(state_dict, dict) or "param_groups" not in state_dict or "state" not in state_dict:
-            raise ValueError("state_dict must be a dict with 'state' and 'param_groups', as Optimizer.state_dict() gives")
+            raise ValueError(
+                "state_dict must be a dict with 'state' and 'param_groups', as Optimizer.state_dict() gives"
+            )
         for index, (group, g) in enumerate(zip(self.param_groups, self._groups)):
             if g.lazy:
                 g.materialize(group["params"], f"param group {index}")
@@ -395,17 +406,28 @@ class Optimizer(torch.optim.Optimizer):
         torch_layout = self.torch_class is not None
         state_dict_entries = state_dict["state"]
         saved_state, extras = _split_extras(state_dict_entries, self._groups, saved_groups, torch_layout)
-        complex_ids = {i for sg, group in zip(saved_groups, self.param_groups)
-                       for i, p in zip(sg["params"], group["params"]) if p.is_complex()}
-        saved_state = {i: {k: torch.view_as_real(v) if i in complex_ids and torch.is_tensor(v) and v.is_complex() else v
-                           for k, v in e.items()} for i, e in saved_state.items()}
+        complex_ids = {
+            i
+            for sg, group in zip(saved_groups, self.param_groups)
+            for i, p in zip(sg["params"], group["params"])
+            if p.is_complex()
+        }
+        saved_state = {
+            i: {
+                k: torch.view_as_real(v) if i in complex_ids and torch.is_tensor(v) and v.is_complex() else v
+                for k, v in e.items()
+            }
+            for i, e in saved_state.items()
+        }
         state_dict = {**state_dict, "state": saved_state}
         new_states = []
         for index, (saved, g) in enumerate(zip(saved_groups, self._groups)):
             where = f"param group {index}"
             ids = list(saved["params"])
             if len(ids) != len(g.names):
-                raise ValueError(f"{where} of the state_dict has {len(ids)} params, this optimizer's has {len(g.names)}")
+                raise ValueError(
+                    f"{where} of the state_dict has {len(ids)} params, this optimizer's has {len(g.names)}"
+                )
             if "param_names" in saved and _named(g.names) and list(saved["param_names"]) != g.names:
                 diff = next(a for a, b in zip(saved["param_names"], g.names) if a != b)
                 raise ValueError(f"{where}: the state_dict names a param {diff!r} this optimizer lacks")
@@ -422,8 +444,10 @@ class Optimizer(torch.optim.Optimizer):
             else:
                 shared = saved["shared_state"]
                 new_states.append(L.import_generic(g.state, g.names, ids, state_dict["state"], shared, where))
-        values = [{**group, **{k: v for k, v in saved.items() if k not in ("params", "param_names", "shared_state")}}
-                  for saved, group in zip(saved_groups, self.param_groups)]
+        values = [
+            {**group, **{k: v for k, v in saved.items() if k not in ("params", "param_names", "shared_state")}}
+            for saved, group in zip(saved_groups, self.param_groups)
+        ]
         for index, (trial, g, new) in enumerate(zip(values, self._groups, new_states)):
             self._check_push(trial, g, new, index)  # every value checked before anything changes
         for index, (trial, group, g, new) in enumerate(zip(values, self.param_groups, self._groups, new_states)):
@@ -431,7 +455,9 @@ class Optimizer(torch.optim.Optimizer):
             g.refresh()
             group.update({k: v for k, v in trial.items() if k not in ("params", "param_names")})
             saved = saved_groups[index]
-            if "param_names" in saved and "param_names" not in group:  # a named state_dict names an unnamed group, as torch's
+            if (
+                "param_names" in saved and "param_names" not in group
+            ):  # a named state_dict names an unnamed group, as torch's
                 group["param_names"] = list(saved["param_names"])
             self._push(group, g, index)
             for p in group["params"]:  # what code put there before is replaced by what was saved
@@ -480,7 +506,9 @@ class Optimizer(torch.optim.Optimizer):
             try:
                 _fill(scratch, values[key], f"param group {index} {key!r}")
             except (TypeError, RuntimeError, OverflowError) as e:
-                raise ValueError(f"param group {index} {key!r}: {values[key]!r} is not a value it can take ({e})") from None
+                raise ValueError(
+                    f"param group {index} {key!r}: {values[key]!r} is not a value it can take ({e})"
+                ) from None
         for key, value in g.static.items():
             new = values.get(key)
             if new is not value and not L.same(L.canonical(key, new), L.canonical(key, value)):
@@ -514,8 +542,23 @@ class Optimizer(torch.optim.Optimizer):
 
 # Keys that set an optimizer's hyperparameter in torch.optim: a group setting one the transform
 # does not hold is refused (it would do nothing); any other key is kept, unread.
-_HYPERPARAMETERS = frozenset({"lr", "weight_decay", "momentum", "betas", "eps", "nesterov", "dampening", "amsgrad",
-                              "maximize", "alpha", "initial_accumulator_value", "lr_decay", "rho"})
+_HYPERPARAMETERS = frozenset(
+    {
+        "lr",
+        "weight_decay",
+        "momentum",
+        "betas",
+        "eps",
+        "nesterov",
+        "dampening",
+        "amsgrad",
+        "maximize",
+        "alpha",
+        "initial_accumulator_value",
+        "lr_decay",
+        "rho",
+    }
+)
 
 
 def _named(names: list[str]) -> bool:
@@ -571,5 +614,3 @@ def _split_extras(saved: dict, groups: list[Group], saved_groups: list[dict], to
                 kept[i] = kept_entry
             extras.append({k: v for k, v in entry.items() if k not in known})
     return {i: e for i, e in kept.items() if e}, extras
-
-

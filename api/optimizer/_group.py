@@ -96,8 +96,14 @@ class TorchState(collections.defaultdict):
 class Group:
     """What the adapter keeps per param group besides torch's group dict."""
 
-    def __init__(self, transform: ps.Transform, names: list[str], params: list[Tensor], compiled: bool,
-                 differentiable: bool = False) -> None:
+    def __init__(
+        self,
+        transform: ps.Transform,
+        names: list[str],
+        params: list[Tensor],
+        compiled: bool,
+        differentiable: bool = False,
+    ) -> None:
         self.names = names
         self.compiled = compiled
         self.differentiable = differentiable
@@ -195,7 +201,8 @@ class Group:
         assigned `step` sets the group's step count (one per group here)."""
         leaves = ps.tree_leaves(self.state)
         keys = [(i, j, key) for i, j, key in self.buffers] + (
-            [(self.count, j, "step") for j in range(len(params))] if self.has_step else [])
+            [(self.count, j, "step") for j in range(len(params))] if self.has_step else []
+        )
         reset, assigned, steps = set(), [], {}
         for i, j, key in keys:
             entry, shown = dict.get(state, params[j]), self.shown.get((j, key), MISSING)

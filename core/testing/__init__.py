@@ -31,14 +31,21 @@ from torch import Tensor
 import purestep.core as ps
 
 try:
-    import hypothesis
+    import hypothesis  # noqa: F401  (availability: core must import without it)
     from hypothesis import strategies as st
 except ImportError as error:  # pragma: no cover - exercised only without hypothesis
-    raise ImportError(
-        "purestep.core.testing needs hypothesis: pip install hypothesis (or purestep[test])"
-    ) from error
+    raise ImportError("purestep.core.testing needs hypothesis: pip install hypothesis (or purestep[test])") from error
 
-from ._strategies import FLOAT_DTYPES, GRAD_KINDS, Example, Options, given_examples, grads_like, log_uniform, seeded_tensor
+from ._strategies import (
+    FLOAT_DTYPES,
+    GRAD_KINDS,
+    Example,
+    Options,
+    given_examples,
+    grads_like,
+    log_uniform,
+    seeded_tensor,
+)
 from ._strategies import grad_trees as grad_trees
 from ._strategies import hyperparams as hyperparams
 from ._strategies import param_trees as param_trees
@@ -73,7 +80,13 @@ TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
 }
 
 DEFAULT_CHECKS = (
-    "purity", "state_stability", "update_structure", "finite_outputs", "determinism", "replay", "composition",
+    "purity",
+    "state_stability",
+    "update_structure",
+    "finite_outputs",
+    "determinism",
+    "replay",
+    "composition",
     "in_place",
 )
 
@@ -152,7 +165,14 @@ def check_transform(
     if unknown:
         raise ValueError(f"checks has unknown entries {sorted(unknown)}; choose from {DEFAULT_CHECKS}")
     opts = Options(
-        steps, needs_params, matrices_only, tuple(dtypes), tuple(grad_kinds), tuple(grad_like_extra), extra, hyperparams,
+        steps,
+        needs_params,
+        matrices_only,
+        tuple(dtypes),
+        tuple(grad_kinds),
+        tuple(grad_like_extra),
+        extra,
+        hyperparams,
         device=torch.device(device),
     )
 
@@ -219,7 +239,8 @@ def _check_in_place(t: ps.Transform, ex: Example, opts: Options, ups: list, stat
         for label, found in (("params", leaf), ("state", first_difference(states[k], s, _close))):
             if found:
                 raise InvariantError(
-                    "in_place", f"the in-place apply (affine/apply_) {where} gave other {label} than update at leaf '{found}'"
+                    "in_place",
+                    f"the in-place apply (affine/apply_) {where} gave other {label} than update at leaf '{found}'",
                 )
 
 
@@ -383,7 +404,11 @@ def _opts(kw: dict, **override) -> Options:
 
 
 def check_decoupled_decay(
-    factory: Callable[..., ps.Transform] | ps.Transform, *, coefficient: float | None = None, max_examples: int | None = None, **kw: Any
+    factory: Callable[..., ps.Transform] | ps.Transform,
+    *,
+    coefficient: float | None = None,
+    max_examples: int | None = None,
+    **kw: Any,
 ) -> None:
     """Check "decoupled_decay": the update's dependence on params is `c·p`, a pure
     multiple of p (c ≤ 0, the same for every decayed leaf), not routed through the
@@ -411,7 +436,9 @@ def check_decoupled_decay(
                 scale = u[name].abs().max() + u0[name].abs().max() + 1e-300
                 if pp == 0:
                     if d.abs().max() > 1e-9 * scale:
-                        raise InvariantError("decoupled_decay", f"leaf '{name}' is zero but u(p) - u(0) is not, at step {k}")
+                        raise InvariantError(
+                            "decoupled_decay", f"leaf '{name}' is zero but u(p) - u(0) is not, at step {k}"
+                        )
                     continue
                 c = (d * x).sum() / pp
                 residual = (d - c * x).abs().max()
@@ -422,7 +449,9 @@ def check_decoupled_decay(
                         f"of update scale {scale:.3g}); the decay goes through the preconditioner or state (L2 decay?)",
                     )
                 if c > 1e-12:
-                    raise InvariantError("decoupled_decay", f"at step {k}, leaf '{name}' grows with p (c = {c:.3g} > 0)")
+                    raise InvariantError(
+                        "decoupled_decay", f"at step {k}, leaf '{name}' grows with p (c = {c:.3g} > 0)"
+                    )
                 if abs(c) > 1e-12:
                     coefs[name] = c.item()
             if coefs:
@@ -435,7 +464,8 @@ def check_decoupled_decay(
                         )
                     if coefficient is not None and not math.isclose(c, coefficient, rel_tol=1e-6):
                         raise InvariantError(
-                            "decoupled_decay", f"at step {k}, leaf '{name}' decays with c = {c:.6g}, expected {coefficient}"
+                            "decoupled_decay",
+                            f"at step {k}, leaf '{name}' decays with c = {c:.6g}, expected {coefficient}",
                         )
         if not seen and any(float((x * x).sum()) > 0 for x in params[0].values()):
             raise InvariantError("decoupled_decay", "no decay observed: the updates do not depend on params")
@@ -474,7 +504,10 @@ def check_scale_invariance(
         f = as_factory(factory)
         ups, _, params = trajectory(make_transform(f, ex), ex, opts)
         scaled, _, _ = trajectory(
-            make_transform(f, ex), ex, opts, grads=[{k: v * c for k, v in g.items()} for g in grads],
+            make_transform(f, ex),
+            ex,
+            opts,
+            grads=[{k: v * c for k, v in g.items()} for g in grads],
             params=(lambda k, p: params[k]) if opts.needs_params else None,
         )
         top = max((v.abs().max().item() for u in ups for v in u.values()), default=0.0)
@@ -558,7 +591,9 @@ def check_schedule(
             )
         a, b = float(at_int), float(at_tensor)
         if not (math.isfinite(a) and math.isfinite(b)):
-            raise InvariantError("tensor_steps", f"schedule is not finite at step {k}: {a} (int step), {b} (tensor step)")
+            raise InvariantError(
+                "tensor_steps", f"schedule is not finite at step {k}: {a} (int step), {b} (tensor step)"
+            )
         if not math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-12):
             raise InvariantError("tensor_steps", f"schedule({k}) = {a} but schedule(tensor({k}.)) = {b}")
         values.append(a)
@@ -594,4 +629,6 @@ def check_schedule(
         signs = [1 if d > tol else -1 for d in deltas if abs(d) > tol]
         turns = [i for i, (a, b) in enumerate(zip(signs, signs[1:])) if a != b]
         if len(turns) > max_turns:
-            raise InvariantError("monotone_phases", f"the schedule changes direction {len(turns)} times (> {max_turns})")
+            raise InvariantError(
+                "monotone_phases", f"the schedule changes direction {len(turns)} times (> {max_turns})"
+            )

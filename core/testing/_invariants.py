@@ -14,6 +14,7 @@ import purestep.core as ps
 
 from ._strategies import Example, Options, brief
 
+
 class InvariantError(AssertionError):
     """An invariant that a transform or schedule broke; the message starts with its name."""
 
@@ -81,9 +82,7 @@ def run_reporting(name: str, run: Callable[[], None]) -> None:
         notes = "\n".join(getattr(error, "__notes__", []))
         invariant = getattr(error, "invariant", "assertion")
         message = str(error).split(": ", 1)[-1] if isinstance(error, InvariantError) else str(error)
-        raise InvariantError(
-            invariant, f"{message}\n  checking {name}\n  minimal counterexample:\n{notes}"
-        ) from error
+        raise InvariantError(invariant, f"{message}\n  checking {name}\n  minimal counterexample:\n{notes}") from error
 
 
 def kit_settings(max_examples: int | None) -> hypothesis.settings:
@@ -170,7 +169,9 @@ def trajectory(
         if before is not None:
             for label, now, then in zip(("grads", "state", "params", "extra keywords"), (g, state, p, extra), before):
                 if where := first_difference(now, then):
-                    raise InvariantError("purity", f"update mutated its {label} input at leaf '{where}' {where_in_run(k, kind)}")
+                    raise InvariantError(
+                        "purity", f"update mutated its {label} input at leaf '{where}' {where_in_run(k, kind)}"
+                    )
         if "state_stability" in checks:
             _check_state(new_state, init_spec, k, kind)
         if "update_structure" in checks:
@@ -180,7 +181,8 @@ def trajectory(
                 for path, leaf in ps.tree_flatten_with_path(tree)[0]:
                     if _is_float(leaf) and not bool(torch.isfinite(_widened(leaf)).all()):
                         raise InvariantError(
-                            "finite_outputs", f"{label} leaf '{path}' is not finite {where_in_run(k, kind)}: {brief(leaf)}"
+                            "finite_outputs",
+                            f"{label} leaf '{path}' is not finite {where_in_run(k, kind)}: {brief(leaf)}",
                         )
         updates_seq.append(u)
         states.append(new_state)
@@ -203,7 +205,8 @@ def _check_updates(u: Any, g: Any, k: int, kind: str) -> None:
         if not isinstance(x, Tensor) or x.shape != y.shape or x.dtype != y.dtype or x.device != y.device:
             what = brief(x) if isinstance(x, Tensor) else type(x).__name__
             raise InvariantError(
-                "update_structure", f"update leaf '{path}' is {what} but its param is {brief(y)} {where_in_run(k, kind)}"
+                "update_structure",
+                f"update leaf '{path}' is {what} but its param is {brief(y)} {where_in_run(k, kind)}",
             )
 
 
@@ -217,7 +220,9 @@ def _check_state(state: Any, init_spec: tuple, k: int, kind: str) -> None:
         )
     for (path, x), (_, y) in zip(got, want):
         if not isinstance(x, Tensor):
-            raise InvariantError("state_stability", f"state leaf '{path}' became {type(x).__name__} {where_in_run(k, kind)}")
+            raise InvariantError(
+                "state_stability", f"state leaf '{path}' became {type(x).__name__} {where_in_run(k, kind)}"
+            )
         if x.shape != y.shape or x.dtype != y.dtype or x.device != y.device:
             raise InvariantError(
                 "state_stability",
@@ -231,9 +236,6 @@ def compare_runs(invariant: str, what: str, ref: Sequence, got: Sequence, label:
             raise InvariantError(invariant, f"{what}: {label} differ at step {k}, leaf '{where}'")
 
 
-
 def in_float64(ex: Example) -> Example:
     cast = lambda tree: ps.tree_cast(tree, torch.float64)  # noqa: E731
-    return ex.replace(
-        params=cast(ex.params), grads=[cast(g) for g in ex.grads], extras=[cast(e) for e in ex.extras]
-    )
+    return ex.replace(params=cast(ex.params), grads=[cast(g) for g in ex.grads], extras=[cast(e) for e in ex.extras])

@@ -85,7 +85,8 @@ def _layouts(min_leaves, max_leaves, min_rank, max_rank, max_side, dtypes):
 
 def _build_params(layout, seed: int, zero: bool, device: Any = "cpu") -> dict[str, Tensor]:
     return {
-        f"p{i}": seeded_tensor(shape, dtype, 0.0 if zero else 1.0, seed + i, device) for i, (shape, dtype) in enumerate(layout)
+        f"p{i}": seeded_tensor(shape, dtype, 0.0 if zero else 1.0, seed + i, device)
+        for i, (shape, dtype) in enumerate(layout)
     }
 
 
@@ -156,7 +157,9 @@ def hyperparams(*names: str, **strategies: st.SearchStrategy) -> st.SearchStrate
     fields = {}
     for name in names:
         if name not in _HYPERPARAMS:
-            raise ValueError(f"no default range for {name!r}; pass it as {name}=<strategy>, or one of {sorted(_HYPERPARAMS)}")
+            raise ValueError(
+                f"no default range for {name!r}; pass it as {name}=<strategy>, or one of {sorted(_HYPERPARAMS)}"
+            )
         fields[name] = _HYPERPARAMS[name]()
     fields.update(strategies)
     return st.fixed_dictionaries(fields)
@@ -176,7 +179,9 @@ class Options:
     device: Any = "cpu"
 
 
-def _example(opts: Options, layout, param_seed: int, kinds: list, with_extra: Callable[[int], bool], hp: dict) -> Example:
+def _example(
+    opts: Options, layout, param_seed: int, kinds: list, with_extra: Callable[[int], bool], hp: dict
+) -> Example:
     params = _build_params(layout, param_seed, zero=False, device=opts.device)
     grads = [grads_like(params, k, s) for k, s in kinds]
     extras = []

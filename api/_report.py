@@ -147,7 +147,9 @@ class StopSignals:
     SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGHUP: the terminal or ssh session closed
 
     def __init__(self, announce: bool) -> None:
-        self.announce, self.signum, self.previous = announce, None, {}
+        self.announce = announce
+        self.signum: int | None = None
+        self.previous: dict[int, Any] = {}
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():  # handlers can only be set there

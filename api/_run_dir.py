@@ -146,7 +146,7 @@ def open_run(t: Any, resume: bool) -> bool:
         raise RunDirError(f"{t.out}: already holds a run; pass --resume to continue it or a new --out")
     if resume and held:
         manifest = read_manifest(latest) if latest is not None else None
-        changes = resume_changes(manifest and manifest.config, t.config, manifest.step if manifest else 0)
+        changes = resume_changes(manifest.config if manifest else None, t.config, manifest.step if manifest else 0)
         if latest is None and not t.checkpoints.has_candidates():
             # Killed before its first checkpoint (metrics only): start over, as Lightning's ckpt_path="last" does.
             if t.world.main:

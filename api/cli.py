@@ -165,7 +165,7 @@ def inspect_checkpoint(path: Path) -> int:
     if manifest.data_state is not None:
         print(f"data       {json.dumps(manifest.data_state)}")
     bad = 0
-    rows = []
+    rows: list[tuple[str, str, list[int], str, int]] = []
     for filename, entry in manifest.files.items():
         try:
             ckpt.verify_file(path / filename, entry)
@@ -179,8 +179,8 @@ def inspect_checkpoint(path: Path) -> int:
             rows.append((filename.removesuffix(".safetensors"), name, list(shape), dtype, math.prod(shape)))
     width = max((len(f"{g}/{n}") for g, n, *_ in rows), default=10)
     print(f"\n{'tensor':{width}s}  {'shape':18s} {'dtype':8s} {'elements':>12s}")
-    for group, name, shape, dtype, numel in rows:
-        print(f"{group + '/' + name:{width}s}  {str(list(shape)):18s} {dtype:8s} {numel:>12,d}")
+    for group, name, dims, dtype, numel in rows:
+        print(f"{group + '/' + name:{width}s}  {str(dims):18s} {dtype:8s} {numel:>12,d}")
     print(f"{len(rows)} tensors, {sum(r[4] for r in rows):,d} elements" + (f"; {bad} damaged file(s)" if bad else ""))
     return 1 if bad else 0
 

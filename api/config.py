@@ -32,7 +32,7 @@ class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     pass
 
 
-class OptimizerConfig(_Section):
+class OptimizerConfig(_Section):  # type: ignore[misc]  # msgspec's frozen Struct, not a dataclass
     """`[optimizer]`: any purestep optimizer by its public name, e.g. `adamw`, `muon_adamw`.
 
     `kwargs` are its keyword arguments (`weight_decay`, `betas`...); a string naming a
@@ -49,7 +49,7 @@ class OptimizerConfig(_Section):
     clip_grad_norm: Union[Annotated[float, Meta(gt=0)], None] = 1.0
 
 
-class ScheduleConfig(_Section):
+class ScheduleConfig(_Section):  # type: ignore[misc]  # msgspec's frozen Struct, not a dataclass
     """`[schedule]`: the lr schedule, `ps.<name>_schedule` (`"constant"`: a fixed lr).
 
     The schedule's first argument (`value`/`init`/`peak`) is `optimizer.lr`; `steps` /
@@ -65,7 +65,7 @@ class ScheduleConfig(_Section):
     kwargs: dict[str, Any] = {}
 
 
-class ModelConfig(_Section):
+class ModelConfig(_Section):  # type: ignore[misc]  # msgspec's frozen Struct, not a dataclass
     """`[model]`: the byte-level GPT of `purestep.api.models` (`kwargs`: more `GPT` arguments)."""
 
     name: str = "gpt"
@@ -78,7 +78,7 @@ class ModelConfig(_Section):
     kwargs: dict[str, Any] = {}
 
 
-class DataConfig(_Section):
+class DataConfig(_Section):  # type: ignore[misc]  # msgspec's frozen Struct, not a dataclass
     """`[data]`: `source = "stdlib"` (the Python standard library's sources, on every
     machine) or a path to a text file or a folder of `.py` files; bytes are tokens."""
 
@@ -88,7 +88,7 @@ class DataConfig(_Section):
     kwargs: dict[str, Any] = {}
 
 
-class TrainConfig(_Section):
+class TrainConfig(_Section):  # type: ignore[misc]  # msgspec's frozen Struct, not a dataclass
     """A training run. The `Trainer` reads every field; the command adds only `--out`,
     `--steps`, `--resume` and `--set`.
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -156,9 +156,9 @@ def unwrap(model: nn.Module) -> nn.Module:
     """The user's module inside a DDP wrapper or a torch.compile wrapper."""
     while True:
         if isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
+            model = cast(nn.Module, model.module)
         elif hasattr(model, "_orig_mod"):
-            model = model._orig_mod
+            model = cast(nn.Module, model._orig_mod)
         else:
             return model
 
@@ -197,9 +197,9 @@ def gather_object(obj: Any, world: World) -> list[Any]:
     """Every rank's `obj`, in rank order, on rank 0 (an empty list elsewhere)."""
     if world.size == 1:
         return [obj]
-    out = [None] * world.size if world.main else None
+    out: list[Any] | None = [None] * world.size if world.main else None
     dist.gather_object(obj, out, dst=0)
-    return out if world.main else []
+    return out if out is not None else []
 
 
 def agree(error: str | None, world: World) -> str | None:
@@ -225,7 +225,7 @@ def is_dtensor(t: Any) -> bool:
 
 def local(t: Tensor) -> Tensor:
     """This rank's shard of a DTensor (the tensor itself otherwise)."""
-    return t.to_local() if is_dtensor(t) else t
+    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]  # a DTensor
 
 
 def full_tree(tree: Any) -> Any:

@@ -20,7 +20,7 @@ class ConfigError(ValueError):
         self.field, self.message, self.source = field, message, source
         super().__init__(": ".join(part for part in (source, field, message) if part))
 
-    def at(self, source: str) -> "ConfigError":
+    def at(self, source: str | None) -> "ConfigError":
         """The same error, said to come from `source`."""
         return ConfigError(self.field, self.message, source)
 

@@ -106,8 +106,9 @@ class GPT(nn.Module):
                 std = 0.02 / math.sqrt(2 * self.n_layers) if name.endswith(("proj.weight", "down.weight")) else 0.02
                 nn.init.normal_(p, std=std)
         for block in self.blocks:
-            nn.init.zeros_(block.attn.proj.weight)
-            nn.init.zeros_(block.mlp.down.weight)
+            b: Any = block
+            nn.init.zeros_(b.attn.proj.weight)
+            nn.init.zeros_(b.mlp.down.weight)
 
     def forward(self, input: Tensor) -> Tensor:
         x = self.embed(input)

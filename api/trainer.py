@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 import torch.utils._pytree as pytree
@@ -58,7 +58,7 @@ def _holds(transform: ps.Transform, params: dict[str, Tensor], cls: type) -> boo
 
 def _read(t: Tensor | None) -> float | None:
     """A 0-d device tensor on the host (a sync: only when a log line is due)."""
-    return None if t is None else float(t.full_tensor() if D.is_dtensor(t) else t)
+    return None if t is None else float(t.full_tensor() if D.is_dtensor(t) else t)  # type: ignore[attr-defined]
 
 
 class Trainer:
@@ -129,7 +129,7 @@ class Trainer:
         self.module = D.wrap(
             model if model is not None else build_model(cfg.model), self.world, precision=cfg.precision
         )
-        self.model = torch.compile(self.module) if cfg.compile else self.module
+        self.model: Any = torch.compile(self.module) if cfg.compile else self.module
         self.named = dict(D.unwrap(self.module).named_parameters())
         # Detached aliases that a compiled, donated update re-points into its flat buffers
         # together with the module's own parameters (see ps.make_update).
@@ -220,9 +220,9 @@ class Trainer:
     def _sync(self, last: bool) -> contextlib.AbstractContextManager:
         """Reduce gradients only on the last micro-batch."""
         if self.world.strategy == "ddp" and not last:
-            return self.module.no_sync()
+            return cast(Any, self.module).no_sync()
         if self.fsdp:
-            self.module.set_requires_gradient_sync(last)
+            cast(Any, self.module).set_requires_gradient_sync(last)
         return contextlib.nullcontext()
 
     def _loss(self, batch: Any) -> tuple[Tensor, Tensor]:
@@ -267,7 +267,7 @@ class Trainer:
             ls.backward()
             loss_sum.append(ls.detach().double())
             tokens.append(n.double())
-        total = D.all_reduce_sum(torch.stack([sum(loss_sum), sum(tokens)]), self.world)
+        total = D.all_reduce_sum(torch.stack([cast(Tensor, sum(loss_sum)), cast(Tensor, sum(tokens))]), self.world)
         n = total[1].clamp(min=1.0)
         loss = total[0] / n
         grads = {k: p.grad if p.grad is not None else torch.zeros_like(p) for k, p in self.named.items()}
@@ -469,7 +469,7 @@ class Trainer:
                 if cfg.checkpoint_every and self.loop.step % cfg.checkpoint_every == 0:
                     self.save()
                 if stop.agreed(self.world, due):
-                    self._preempted(stop.signum)
+                    self._preempted(cast(int, stop.signum))  # agreed: a signal came
 
     def _agreed(self, seconds: float) -> float:
         """`seconds` averaged over the ranks (a collective under torchrun)."""
@@ -484,7 +484,9 @@ class Trainer:
         if self.checkpoints is None:
             where = "no run directory, nothing saved"
         else:
-            path = self.save() if self.saved_at != self.loop.step else checkpoint_dir(self.out, self.loop.step)
+            path = (
+                self.save() if self.saved_at != self.loop.step else checkpoint_dir(cast(Path, self.out), self.loop.step)
+            )
             where = f"checkpoint {path}"
         if self.world.main:
             try:  # after SIGHUP the terminal may be gone

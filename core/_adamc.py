@@ -29,7 +29,7 @@ from ._scaling import scale_by_adam, scale_by_lr
 class AdamcState(NamedTuple):
     """State of `adamc`'s decay: the largest lr applied so far."""
 
-    count: Tensor  # (), int64: the lr schedule's step
+    count: Tensor  # type: ignore[assignment]  # (), int64: the lr schedule's step
     max_lr: Tensor  # (), float64: max over the updates so far of η_t, this one included
 
 

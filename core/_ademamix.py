@@ -32,7 +32,7 @@ _SLOW_SALT = 1  # stochastic rounding of m₂ draws bits apart from m₁'s and �
 class ScaleByAdemamixState(NamedTuple):
     """State of `scale_by_ademamix`: the fast and slow EMAs of the gradient and the second moment."""
 
-    count: Tensor  # (), int64: updates applied; schedules of b3 and alpha see it
+    count: Tensor  # type: ignore[assignment]  # (), int64: updates applied; schedules of b3 and alpha see it
     m1: Params  # fast EMA (β₁), bias-corrected when used
     m2: Params  # slow EMA (β₃), never bias-corrected
     nu: Params  # EMA of g² (β₂), bias-corrected when used

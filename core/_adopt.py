@@ -30,7 +30,7 @@ from ._scaling import scale_by_lr
 class ScaleByAdoptState(NamedTuple):
     """State of `scale_by_adopt`: the momentum of the normalized gradient and the second moment."""
 
-    count: Tensor  # (), int64: updates applied (the first one only fills ν)
+    count: Tensor  # type: ignore[assignment]  # (), int64: updates applied (the first one only fills ν)
     mu: Params  # EMA (β₁) of g / max(√ν_prev, ε), clipped
     nu: Params  # EMA (β₂) of g², = g² after the first update
 

@@ -20,14 +20,14 @@ from ._base import Params, ScalarOrSchedule, check_hyperparam, is_static, leaf_d
 class ParamsEmaState(NamedTuple):
     """State of `params_ema`: the averaged params and how many updates went in."""
 
-    count: Tensor  # (), int64: updates averaged in (AveragedModel's n_averaged)
+    count: Tensor  # type: ignore[assignment]  # (), int64: updates averaged in (AveragedModel's n_averaged)
     params: Params  # the averaged params
 
 
 class ParamsSwaState(NamedTuple):
     """State of `params_swa`: the averaged params and how many updates went in."""
 
-    count: Tensor  # (), int64: updates averaged in (AveragedModel's n_averaged)
+    count: Tensor  # type: ignore[assignment]  # (), int64: updates averaged in (AveragedModel's n_averaged)
     params: Params  # the averaged params
 
 
@@ -95,7 +95,7 @@ def params_ema(decay: ScalarOrSchedule = 0.999, *, dtype: torch.dtype | None = N
         {'w': tensor([2.])}
     """
     check_hyperparam("decay", decay)
-    if is_static(decay) and not 0.0 < decay < 1.0:
+    if is_static(decay) and not 0.0 < decay < 1.0:  # type: ignore[operator]  # is_static: a number
         raise ValueError(f"decay must be in (0, 1), got {decay!r}")
 
     def weight(count: Tensor) -> Tensor:

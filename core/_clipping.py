@@ -86,7 +86,7 @@ def clip_by_global_norm(max_norm: float | Tensor) -> Transform:
 def _clamp(xs: list[Tensor], lo: float | Tensor, hi: float | Tensor) -> list[Tensor]:
     if ls.use_foreach(xs) and not isinstance(lo, Tensor) and not isinstance(hi, Tensor):
         return list(torch._foreach_clamp_max(torch._foreach_clamp_min(xs, lo), hi))
-    return [torch.clamp(x, lo, hi) for x in xs]
+    return [torch.clamp(x, lo, hi) for x in xs]  # type: ignore[arg-type]  # a float bound too
 
 
 def clip_by_value(max_abs: float | Tensor) -> Transform:
@@ -196,7 +196,7 @@ def adaptive_clip(clipping: float = 0.01, eps: float = 1e-3, *, axis: int | tupl
 class ClipByRunningNormState(NamedTuple):
     """State of `clip_by_running_norm`: the EMA of past global norms."""
 
-    count: Tensor  # (), int64: updates seen
+    count: Tensor  # type: ignore[assignment]  # (), int64: updates seen
     mu: Tensor  # (), float32/64: EMA of past post-clip global norms (not bias-corrected)
     norm: Tensor  # (), float32/64: this step's pre-clip global norm
 

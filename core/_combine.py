@@ -285,7 +285,7 @@ def partition(transforms: Mapping[str, Transform], labels: Any) -> Transform:
 class InjectHyperparamsState(NamedTuple):
     """State of `inject_hyperparams`: the hyperparameters in use and the inner state."""
 
-    count: Tensor  # (), int64
+    count: Tensor  # type: ignore[assignment]  # (), int64
     hyperparams: dict[str, Any]  # name -> 0-d float64 tensor (or a tuple of them)
     inner_state: OptState
 
@@ -343,7 +343,7 @@ def inject_hyperparams(
         static = {k: v for k, v in arguments.items() if k not in dynamic}
 
         def values(count: Tensor, stored: dict | None) -> dict[str, Any]:
-            out = {}
+            out: dict[str, Any] = {}
             for name, v in dynamic.items():
                 if isinstance(v, (tuple, list)):
                     out[name] = tuple(
@@ -373,7 +373,7 @@ def inject_hyperparams(
     return wrapped
 
 
-def _value(v: Any, count: Tensor, stored: Tensor | None) -> Tensor:
+def _value(v: Any, count: Tensor, stored: Tensor | None) -> Any:
     if callable(v):
         return resolve(v, count)
     if stored is not None:
@@ -430,6 +430,7 @@ def set_hyperparam(state: OptState, name: str, value: Any) -> OptState:
         )
     path, hp, leaf = match[0]
     old = hp[leaf]
+    new: Any
     if isinstance(old, tuple):
         if not isinstance(value, (tuple, list)) or len(value) != len(old):
             raise ValueError(f"{name} must be a tuple of {len(old)} values, got {value!r}")

@@ -33,7 +33,7 @@ from ._combine import masked
 class AddDecayedWeightsState(NamedTuple):
     """State of `add_decayed_weights` with a scheduled weight decay."""
 
-    count: Tensor  # (), int64: the schedule's step
+    count: Tensor  # type: ignore[assignment]  # (), int64: the schedule's step
 
 
 def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0, mask: Any = None, *, cautious: bool = False) -> Transform:

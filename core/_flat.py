@@ -185,7 +185,7 @@ def pack_like(packed: Packed, tree: Any) -> Packed:
 pytree.register_pytree_node(
     Packed,
     lambda p: (list(p.values()), p.pack_spec),
-    lambda values, spec: Packed(spec, values),
+    lambda values, spec: Packed(spec, list(values)),
     serialized_type_name="purestep.Packed",
     flatten_with_keys_fn=lambda p: ([(pytree.MappingKey(k), v) for k, v in p.items()], p.pack_spec),
 )

@@ -33,10 +33,10 @@ def repoint_(user: Tensor, view: Tensor, what: str) -> None:
         return
     with torch.no_grad():
         view.copy_(user)
-        user.set_(view)
+        user.set_(view)  # type: ignore[call-overload]  # (torch's stubs list set_ by storage only)
         source = getattr(user, "_purestep_source", None)  # functional_model's detached alias of a Parameter
         if isinstance(source, Tensor) and source.shape == view.shape:
-            source.set_(view)
+            source.set_(view)  # type: ignore[call-overload]
 
 
 def aliases(a: Tensor, b: Tensor) -> bool:
@@ -99,7 +99,12 @@ class FlatUpdate:
         self._planned: tuple[list[int], Any] | None = None
 
     def layout(self) -> dict[str, list[str]]:
-        return {g.key: [m.path for m in g.members] for g in self.bound.groups}
+        return {g.key: [m.path for m in g.members] for g in self._bound().groups}
+
+    def _bound(self) -> _Bound:
+        """The binding, once the first call made it."""
+        assert self.bound is not None, "not bound yet: the first call binds"
+        return self.bound
 
     # -- what a subclass over other leaves (FSDP2 shards, `_sharded`) changes ----
     def local(self, tree: Any) -> Any:
@@ -195,11 +200,12 @@ class FlatUpdate:
         return _compile_own(step, self.options.get(device.type, {}))
 
     def _grads_in(self, grads: Any) -> None:
-        views, keys = self.bound.grad_views, self.bound.keys
+        b = self._bound()
+        views, keys = b.grad_views, b.keys
         if keys is not None and type(grads) is dict and list(grads) == keys:
             leaves = list(grads.values())
         else:
-            leaves = tr.check_match(grads, pytree.tree_unflatten(self.bound.params, self.bound.param_spec))
+            leaves = tr.check_match(grads, pytree.tree_unflatten(b.params, b.param_spec))
         stale = [(v, g) for v, g in zip(views, leaves) if g.data_ptr() != v.data_ptr() or g.shape != v.shape]
         with torch.no_grad():
             for v, g in stale:
@@ -212,17 +218,17 @@ class FlatUpdate:
 
     def _params_moved(self, params: Any) -> bool:
         leaves = self.local_leaves(list(params.values()) if type(params) is dict else pytree.tree_leaves(params))
-        b = self.bound
+        b = self._bound()
         return len(leaves) != len(b.params) or any(
             x is not y or x.data_ptr() != ptr for x, y, ptr in zip(leaves, b.params, b.param_ptrs)
         )
 
     # -- the step --------------------------------------------------------------
-    def __call__(self, params: Any, grads: Any, opt_state: Any, ema_state: Any = None, amp: Any = None) -> None:
+    def __call__(self, params: Any, grads: Any, opt_state: Any, ema_state: Any = None, amp: Any = None) -> Any:
         b = self.bound
         if b is None or self._params_moved(params):
             self._bind(params, opt_state, ema_state)
-            b = self.bound
+            b = self._bound()
         self._take_in_state(opt_state, ema_state)
         self._grads_in(self.local(grads))
         # With torch's AMP inputs (0-d tensors, new ones each call) the same compiled step runs
@@ -234,7 +240,7 @@ class FlatUpdate:
         return out
 
     def _take_in_state(self, opt_state: Any, ema_state: Any) -> None:
-        b = self.bound
+        b = self._bound()
         if opt_state is not b.state:
             bind_tree(self.local(opt_state), pytree.tree_unflatten(b.buffers[2], b.specs[2]), "opt_state")
             b.state = opt_state
@@ -303,13 +309,13 @@ class FlatStep(FlatUpdate):
 
         return _compile_own(step, self.options.get(device.type, {}))
 
-    def __call__(
+    def __call__(  # type: ignore[override]  # make_step's step: (params, state, batch[, buffers])
         self, params: Any, opt_state: Any, batch: Any, buffers: Any = None, with_buffers: bool = False
     ) -> dict:
         b = self.bound
         if b is None or self._params_moved(params):
             self._bind(params, opt_state, None)
-            b = self.bound
+            b = self._bound()
         self._take_in_state(opt_state, None)
         p, s = b.buffers[0], b.buffers[2]
         if not (p and p[0].is_cuda):

@@ -32,7 +32,7 @@ from ._scaling import scale_by_lr
 class ScaleByLapropState(NamedTuple):
     """State of `scale_by_laprop`: the momentum of lr-weighted normalized gradients and its weight."""
 
-    count: Tensor  # (), int64
+    count: Tensor  # type: ignore[assignment]  # (), int64
     mu: Params  # m, EMA (β₁) of η·g/(√ν̂ + ε): it carries the lr of each step
     nu: Params  # ν, EMA (β₂) of g²
     lr_sum: Tensor  # (), float64: EMA (β₁) of η, m's bias correction (= η·(1-β₁ᵗ) at a constant lr)
@@ -41,7 +41,7 @@ class ScaleByLapropState(NamedTuple):
 class DecayAfterState(NamedTuple):
     """State of LaProp's decay after the step, when its lr or weight decay is a schedule."""
 
-    count: Tensor  # (), int64
+    count: Tensor  # type: ignore[assignment]  # (), int64
 
 
 def scale_by_laprop(

@@ -315,7 +315,7 @@ def ema_sq(vs: list[Tensor], xs: list[Tensor], decay: Scalar) -> list[Tensor]:
         if isinstance(decay, Tensor):
             torch._foreach_add_(out, torch._foreach_mul(torch._foreach_mul(xs, xs), rest))
         else:
-            torch._foreach_addcmul_(out, xs, xs, value=rest)
+            torch._foreach_addcmul_(out, xs, xs, value=rest)  # type: ignore[arg-type]  # a 0-d tensor value: no sync
         return list(out)
     return [decay * v + rest * x * x for v, x in zip(vs, xs)]
 

@@ -32,7 +32,7 @@ from ._scaling import scale_by_lr
 class ScaleByMarsState(NamedTuple):
     """State of `scale_by_mars`: Adam's moments of the corrected gradient, and the last gradient."""
 
-    count: Tensor  # (), int64
+    count: Tensor  # type: ignore[assignment]  # (), int64
     mu: Params  # EMA (β₁) of c
     nu: Params  # EMA (β₂) of c²
     last_grad: Params  # g of the previous update (zeros before the first), in the grads' dtype

@@ -68,6 +68,7 @@ def _coefficient_schedule(
     ns_coefficients: Coefficients, ns_steps: int
 ) -> tuple[list[tuple[float, float, float]], float]:
     """The (a, b, c) of every iteration, and the safety factor of the initial normalization."""
+    table: Any
     if isinstance(ns_coefficients, str):
         if ns_coefficients != "polar_express":
             raise ValueError(
@@ -85,7 +86,7 @@ def _coefficient_schedule(
             f"'polar_express', got {ns_coefficients!r}"
         )
     steps = [tuple(float(v) for v in table[min(i, len(table) - 1)]) for i in range(ns_steps)]
-    return steps, safety
+    return steps, safety  # type: ignore[return-value]  # triples, checked above
 
 
 def _orthogonalize_batch(
@@ -238,7 +239,7 @@ def check_muon_args(ns_steps: int, ns_coefficients: Coefficients, ns_dtype: Any,
 class ScaleByMuonState(NamedTuple):
     """State of `scale_by_muon`: the momentum buffer."""
 
-    count: Tensor  # (), int64
+    count: Tensor  # type: ignore[assignment]  # (), int64
     mu: Params  # momentum buffer
 
 

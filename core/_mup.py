@@ -193,7 +193,7 @@ class _Rule:
 
     def __call__(self, tree: PyTree) -> PyTree:
         normalized = self.normalized if self.fn is None else _normalize(self.fn(tree))
-        return _multipliers(tree, normalized, self.rule)
+        return _multipliers(tree, normalized, self.rule)  # type: ignore[arg-type]  # one of the two is set
 
 
 # One rule object per (base shapes, rule) for the life of the process. Flat buffers key a

@@ -42,7 +42,7 @@ class ScaleByNorMuonState(NamedTuple):
     second moment of each row (neuron) of the orthogonalized update, (rows,) in float32
     (float64 for float64 params)."""
 
-    count: Tensor  # (), int64
+    count: Tensor  # type: ignore[assignment]  # (), int64
     mu: Params
     nu: Params
 
@@ -52,7 +52,7 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _row_zeros(p: Tensor, lead: int) -> Tensor:
+def _row_zeros(p: Any, lead: int) -> Tensor:
     """Zeros, one per row of each matrix of `p` (`lead` leading dims index the matrices:
     (k, rows) for a stack of k), in the normalization's dtype; for an FSDP2 param (a
     DTensor sharded on dim 0) sharded the same way, so that each rank keeps its rows."""

@@ -83,6 +83,7 @@ def _random_bits(x: Tensor, key: Tensor | int | None = None, *, seed: Tensor | N
     index = torch.arange(n, device=x.device, dtype=torch.int32 if n < 2**31 else torch.int64)
     index = index.to(torch.int32).view(x.shape)
     if seed is None:
+        assert key is not None, "a key or a seed"
         seed = leaf_seed(key, x.device)
     h = (index ^ seed) * _C1_INT32
     h = h ^ ((h >> 15) & 0x1FFFF)
@@ -354,7 +355,7 @@ def store_moments(xs: list[Tensor], moments: Any, keys: list[Tensor] | None, *, 
     moment takes the other 16 bits of each hash."""
     stored, spec = pytree.tree_flatten(moments, is_leaf=_is_quantized)
     half = int(second)
-    out = []
+    out: list[Any] = []
     for i, (x, m) in enumerate(zip(xs, stored)):
         seed = None if keys is None else keys[i]
         if _is_quantized(m):
@@ -376,7 +377,7 @@ def store_moments(xs: list[Tensor], moments: Any, keys: list[Tensor] | None, *, 
 class CompensatedUpdatesState(NamedTuple):
     """State of `compensated_updates`: the step count and the rounding error carried per param."""
 
-    count: Tensor  # (), int64: keys stochastic rounding
+    count: Tensor  # type: ignore[assignment]  # (), int64: keys stochastic rounding
     compensation: Params  # what rounding p + u dropped, in the param's dtype (0 elements for wide params)
 
 

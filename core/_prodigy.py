@@ -38,7 +38,7 @@ class ProdigyState(NamedTuple):
     params0: Params  # x₀, the params at init
     estim_lr: Tensor  # (), float64: d, the step-size estimate (starts at d0, never decreases)
     numerator_weighted: Tensor  # (), float64: r, the β₃-discounted Σ (d/d₀)·η̂·⟨g, x₀ - x⟩
-    count: Tensor  # (), int64
+    count: Tensor  # type: ignore[assignment]  # (), int64
 
 
 def prodigy(

@@ -62,7 +62,7 @@ def scale(factor: float | Tensor) -> Transform:
 class ScaleByLrState(NamedTuple):
     """State of `scale_by_lr` with a scheduled lr."""
 
-    count: Tensor  # (), int64: updates applied, the schedule's step
+    count: Tensor  # type: ignore[assignment]  # (), int64: updates applied, the schedule's step
 
 
 def scale_by_lr(lr: ScalarOrSchedule) -> Transform:
@@ -104,7 +104,7 @@ def scale_by_lr(lr: ScalarOrSchedule) -> Transform:
 class TraceState(NamedTuple):
     """State of `trace`: the momentum buffer."""
 
-    count: Tensor  # (), int64
+    count: Tensor  # type: ignore[assignment]  # (), int64
     trace: Params
 
 
@@ -162,7 +162,7 @@ def trace(
 class ScaleByAdamState(NamedTuple):
     """State of `scale_by_adam`: first and second moments."""
 
-    count: Tensor  # (), int64
+    count: Tensor  # type: ignore[assignment]  # (), int64
     mu: Params
     nu: Params
 
@@ -170,7 +170,7 @@ class ScaleByAdamState(NamedTuple):
 class ScaleByAmsgradState(NamedTuple):
     """State of `scale_by_adam(amsgrad=True)`: the moments and the running max of ν."""
 
-    count: Tensor  # (), int64
+    count: Tensor  # type: ignore[assignment]  # (), int64
     mu: Params
     nu: Params
     nu_max: Params  # max over steps of ν (torch.optim.Adam's max_exp_avg_sq)
@@ -353,7 +353,7 @@ def _adam_foreach(grads, gs, wide, mu, nu, beta1, beta2, bc1, bc2, eps, eps_root
 class ScaleByLionState(NamedTuple):
     """State of `scale_by_lion`: the momentum."""
 
-    count: Tensor  # (), int64
+    count: Tensor  # type: ignore[assignment]  # (), int64
     mu: Params
 
 

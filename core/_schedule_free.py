@@ -35,7 +35,7 @@ from ._base import (
 class ScheduleFreeState(NamedTuple):
     """State of `schedule_free`: z, the averaging weights and the base state."""
 
-    count: Tensor  # (), int64: updates applied
+    count: Tensor  # type: ignore[assignment]  # (), int64: updates applied
     b1: Tensor  # (), float64: the β₁ of the last update (x is recovered from y and z with it)
     weight_sum: Tensor  # (), float64: Σ of the averaging weights so far
     max_lr: Tensor  # (), float64: the largest lr seen so far
@@ -131,7 +131,7 @@ def _states(tree: Any) -> Iterator[ScheduleFreeState]:
         yield tree
         return
     if isinstance(tree, dict):
-        children = tree.values()
+        children: Any = tree.values()
     elif isinstance(tree, (tuple, list)):
         children = tree
     else:

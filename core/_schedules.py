@@ -334,6 +334,7 @@ def _one_cycle(phases: list[tuple[float, float]], values: list[tuple[float, floa
             pct = torch.clamp((t - s) / length, 0.0, 1.0) if length > 0 else torch.ones_like(t)
             v = anneal_fn(v0, v1, pct)
             out = v if out is None else torch.where(t <= e, v, out)
+        assert out is not None  # every cycle has phases
         return out
 
     return fn

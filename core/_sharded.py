@@ -139,6 +139,7 @@ class ShardInfo:
         self.group, self.world, self.rank = group, world, rank
         self.slices = slices  # by leaf index (flatten order of the params)
         # HSDP: (the group of this rank's replicas, their number, this rank's index among them)
+        self.replica_group: Any
         self.replica_group, self.replicas, self.replica = replicas if replicas is not None else (None, 1, 0)
         self.active = False
         self._owners: dict[tuple[int, ...], tuple[dict[int, int], dict[int, int]]] = {}
@@ -354,7 +355,7 @@ def _move_storage(user: Tensor, view: Tensor, room: int) -> bool:
     with torch.no_grad():
         view.copy_(user)
     spare = torch._C._construct_storage_from_data_pointer(view.data_ptr(), view.device, storage.nbytes())
-    storage._swap_data_ptr_(spare)  # `spare` now owns the old memory and frees it when dropped
+    storage._swap_data_ptr_(spare)  # type: ignore[attr-defined]  # `spare` now owns the old memory and frees it when dropped
     return True
 
 

@@ -40,7 +40,7 @@ class SOAPState(NamedTuple):
     shaped like the params), `gg` (Shampoo's factor per dimension, d × d) and `q` (its
     eigenbasis); a dimension left unpreconditioned holds an empty tensor in both."""
 
-    count: Tensor  # (), int64: updates so far, the first (basis set-up only) included
+    count: Tensor  # type: ignore[assignment]  # (), int64: updates so far, the first (basis set-up only) included
     mu: Params
     nu: Params
     gg: Any
@@ -137,7 +137,7 @@ def _factors(g: Tensor, gg: list[Tensor | None]) -> list[Tensor | None]:
 
 def _eigenbasis(gg: list[Tensor | None]) -> list[Tensor | None]:
     """Eigenvectors of each factor, largest eigenvalue first (the set-up at the first update)."""
-    out = []
+    out: list[Tensor | None] = []
     for f in gg:
         if f is None:
             out.append(None)
@@ -149,9 +149,9 @@ def _eigenbasis(gg: list[Tensor | None]) -> list[Tensor | None]:
 
 def _refresh(gg: list[Tensor | None], q: list[Tensor | None], nu: Tensor) -> tuple[list[Tensor | None], Tensor]:
     """One power-iteration step and a QR per factor; `nu` re-sorted to the new order."""
-    out = []
+    out: list[Tensor | None] = []
     for i, (f, o) in enumerate(zip(gg, q)):
-        if f is None:
+        if f is None or o is None:
             out.append(None)
             continue
         order = torch.argsort((o * (f @ o)).sum(dim=0), descending=True)  # diag(oᵀ·f·o): the eigenvalue estimates
@@ -309,7 +309,7 @@ def scale_by_soap(
 
 
 class _SOAPDecayState(NamedTuple):
-    count: Tensor
+    count: Tensor  # type: ignore[assignment]  # optax's name shadows tuple.count
 
 
 def soap(

@@ -34,7 +34,7 @@ from ._base import (
 class ScaleBySophiaState(NamedTuple):
     """State of `scale_by_sophia`: the grad EMA and the curvature estimate."""
 
-    count: Tensor  # (), int64
+    count: Tensor  # type: ignore[assignment]  # (), int64
     mu: Params  # EMA of grads
     hessian: Params  # EMA of the curvature estimates, refreshed every `update_every` updates
 
@@ -136,7 +136,7 @@ def gnb_hessian(
     References:
         Liu et al., Sophia: A Scalable Stochastic Second-order Optimizer for Language Model Pre-training, 2023.
     """
-    logits, vjp_fn = torch.func.vjp(lambda p: logits_fn(p, batch), params)
+    logits, vjp_fn = torch.func.vjp(lambda p: logits_fn(p, batch), params)  # type: ignore[misc]  # no aux: two values
     work = torch.promote_types(logits.dtype, torch.float32)  # softmax in float32 at least
     flat = logits.detach().reshape(-1, logits.shape[-1]).to(work)  # (B, vocab)
     rows = flat.shape[0]

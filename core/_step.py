@@ -60,7 +60,7 @@ def functional_model(module: torch.nn.Module) -> tuple[Callable[..., tuple[Any, 
     params = {}
     for name, p in module.named_parameters():
         params[name] = p.detach()
-        params[name]._purestep_source = p  # a flat-buffer step re-points the module's own Parameter too
+        params[name]._purestep_source = p  # type: ignore[attr-defined]  # a flat-buffer step re-points the module's own Parameter too
     buffers = {name: b.detach() for name, b in module.named_buffers()}
 
     def apply_fn(params: dict, buffers: dict, *args: Any, **kwargs: Any) -> tuple[Any, dict]:
@@ -153,7 +153,7 @@ def _copy_into(dst_tree: PyTree, src_tree: PyTree, what: str) -> None:
         else:
             for d, s in pairs:
                 if _sharded.is_dtensor(s):  # a reduction's result may be Partial, or a DTensor for a plain leaf
-                    s = s.redistribute(d.device_mesh, d.placements) if _sharded.is_dtensor(d) else s.full_tensor()
+                    s = s.redistribute(d.device_mesh, d.placements) if _sharded.is_dtensor(d) else s.full_tensor()  # type: ignore[attr-defined]
                 d.copy_(s)
 
 
@@ -242,7 +242,7 @@ def _adopt_into(dst_tree: PyTree, src_tree: PyTree, what: str, taken: _Taken) ->
                 and s.device == d.device
             ):
                 taken.add(ptr)
-                d.set_(s)
+                d.set_(s)  # type: ignore[call-overload]  # (torch's stubs list set_ by storage only)
                 continue
         copies.append((d, s))
     if copies:
@@ -259,7 +259,7 @@ def _update_metrics(grads: PyTree, new_state: OptState) -> Metrics:
     else:
         norm = tr.tree_global_norm(grads)
         if _sharded.is_dtensor(norm):  # whole DTensors (the per-leaf DTensor path)
-            norm = norm.full_tensor()
+            norm = norm.full_tensor()  # type: ignore[attr-defined]  # a DTensor
     metrics: Metrics = {"grad_norm": norm}
     lr = _lr_metric(new_state)
     if lr is not None:
@@ -303,7 +303,7 @@ _INDUCTOR_OPTIONS: dict[str, Any] = {"realize_opcount_threshold": 4}
 # torch < 2.12 asserts in `ForeachKernelSchedulerNode.reorder_loops_by_dep_pair` when foreach
 # ops meet per-tensor reductions over tensors of several shapes, as in Muon's graph on CUDA
 # (pytorch/pytorch#176591, fixed by #176849): loop reordering after fusion stays off there.
-if torch.torch_version.TorchVersion(torch.__version__) < (2, 12):
+if torch.torch_version.TorchVersion(torch.__version__) < (2, 12):  # type: ignore[operator]
     _INDUCTOR_OPTIONS["loop_ordering_after_fusion"] = False
 # Keep a narrowing cast's rounding where the compiled code rounds and widens again (Muon's
 # bf16 emulation, low-precision moments read back): without it inductor fuses the round
@@ -501,8 +501,8 @@ def make_update(
             out = run(params, grads, opt_state, *ema_state, **extra)
         return (params, opt_state, *ema_state) + ((out,) if metrics else ())
 
-    update.explain = engine.explain if donate else explain_pure
-    update.layout = engine.layout
+    update.explain = engine.explain if donate else explain_pure  # type: ignore[attr-defined]
+    update.layout = engine.layout  # type: ignore[attr-defined]
     return update
 
 
@@ -683,6 +683,6 @@ def make_step(
             return new_params, new_state, metrics, new_buffers
         return new_params, new_state, metrics
 
-    step.explain = engine.explain if donate else explain_pure
-    step.layout = engine.layout
+    step.explain = engine.explain if donate else explain_pure  # type: ignore[attr-defined]
+    step.layout = engine.layout  # type: ignore[attr-defined]
     return step

@@ -351,7 +351,7 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     if use_foreach(ps_) and all(p.dtype == u.dtype for p, u in zip(ps_, us)):
         out = torch._foreach_add(ps_, us)
     else:
-        out = [(p + u).to(p.dtype) for p, u in zip(ps_, us)]
+        out = [(p + u).to(p.dtype) for p, u in zip(ps_, us)]  # type: ignore[assignment]
     return pytree.tree_unflatten(out, spec)
 
 

@@ -317,7 +317,7 @@ def load(
         trees.append(
             None if not present else dict(zip(paths, leaves)) if spec is None else ps.tree_unflatten(leaves, spec)
         )
-    return Checkpoint(*trees, manifest.step, manifest, rng)
+    return Checkpoint(trees[0], trees[1], trees[2], manifest.step, manifest, rng)
 
 
 def _complex_of(real: torch.dtype) -> torch.dtype | None:
@@ -364,12 +364,13 @@ def _targets(
         for path, ref in pairs:
             if not isinstance(ref, Tensor):
                 raise ValueError(f"{what} leaf '{path}' is {type(ref).__name__}, not a tensor")
-            w = wholes.get(f"{group}.{path}")
-            if w is None:
+            found = wholes.get(f"{group}.{path}")
+            if found is None:
                 raise CheckpointError(
                     f"{root}: has no {group} tensor '{path}', which {what} has "
                     f"(the checkpoint has {len(saved)} {group} tensors, e.g. {saved[:3]})"
                 )
+            w = found
             stored = f"{group}.{path}" in manifest.complex
             shape, dtype = (list(w.shape[:-1]), _complex_of(w.dtype)) if stored else (list(w.shape), w.dtype)
             if shape != list(ref.shape) or dtype != ref.dtype:

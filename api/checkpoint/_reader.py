@@ -136,7 +136,7 @@ def _sealed_reader(root: Path, wholes: dict[str, Whole]) -> Any:
             pass
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-            tensors = {
+            tensors: dict[str, Any] = {
                 fqn: TensorStorageMetadata(
                     properties=TensorProperties(dtype=w.dtype),
                     size=torch.Size(w.shape),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, cast
 
 import torch
 from torch import Tensor
@@ -84,6 +84,8 @@ class Optimizer(torch.optim.Optimizer):
         (0.005, ['exp_avg', 'exp_avg_sq', 'step'])
         >>> torch.optim.AdamW(model.parameters()).load_state_dict(opt.state_dict())
     """
+
+    state: TorchState  # type: ignore[assignment]  # torch's defaultdict, with the buffers shown when read
 
     def __init__(
         self,
@@ -235,7 +237,7 @@ class Optimizer(torch.optim.Optimizer):
             # As torch.optim: a complex param is its real view (..., 2). A compiled update would
             # re-point the view, not the param, so a group holding one runs eagerly.
             compiled = False
-        g = Group(transform, names, real(params), compiled, self._differentiable)
+        g = Group(transform, names, cast(list[Tensor], real(params)), compiled, self._differentiable)
         if mirror is not None:
             L.check_torch_layout(g.state, names, mirror)
         g.mirror = mirror
@@ -298,7 +300,7 @@ class Optimizer(torch.optim.Optimizer):
         if self.state.edited:
             self._take_edits()
         for index, (group, g) in enumerate(zip(self.param_groups, self._groups)):
-            params = real(group["params"])
+            params = cast(list[Tensor], real(group["params"]))
             grads = real([p.grad for p in group["params"]])
             missing = sum(gr is None for gr in grads)  # not list.count: that calls Tensor.__eq__
             if missing == len(grads):
@@ -355,7 +357,7 @@ class Optimizer(torch.optim.Optimizer):
             packed = {k: v for k, v in group.items() if k != "params"}
             packed["params"] = ids
             if torch_layout:
-                exported = L.export_torch(g.state, g.names, ids, g.mirror, group)
+                exported = L.export_torch(g.state, g.names, ids, cast(L.Mirror, g.mirror), group)
                 for i, p in zip(ids, group["params"]):
                     if p.is_complex() and i in exported:  # torch keeps a complex param's buffers complex
                         exported[i] = {
@@ -440,7 +442,9 @@ class Optimizer(torch.optim.Optimizer):
                             f"{where} of the state_dict has {key}={saved[key]!r}, this optimizer was built "
                             f"with {key}={value!r}; build it with the same {key}"
                         )
-                new_states.append(L.import_torch(g.state, g.names, ids, g.mirror, state_dict["state"], where))
+                new_states.append(
+                    L.import_torch(g.state, g.names, ids, cast(L.Mirror, g.mirror), state_dict["state"], where)
+                )
             else:
                 shared = saved["shared_state"]
                 new_states.append(L.import_generic(g.state, g.names, ids, state_dict["state"], shared, where))
@@ -468,11 +472,11 @@ class Optimizer(torch.optim.Optimizer):
             if extra:
                 self.state[p].update(extra)
         # Entries keyed by anything but a param are replaced by the saved ones, as torch does.
-        ids = {i for saved in saved_groups for i in saved["params"]}
+        saved_ids = {i for saved in saved_groups for i in saved["params"]}
         for key in [k for k in dict.keys(self.state) if not isinstance(k, Tensor)]:
             dict.pop(self.state, key)
         for key, value in state_dict_entries.items():
-            if key not in ids:
+            if key not in saved_ids:
                 self.state[key] = value
 
     def _expose_all(self) -> None:

@@ -75,7 +75,7 @@ def canonical(key: str, value: Any) -> Any:
 def torch_group(factory: Callable, mirror: Mirror, kwargs: dict[str, Any], where: str) -> dict[str, Any]:
     """The param-group values `mirror.cls` keeps for `factory(**kwargs)`, checked to be
     something torch runs (its own constructor validates the values)."""
-    accepted = inspect.signature(mirror.cls.__init__).parameters
+    accepted = inspect.signature(mirror.cls).parameters
     ours = inspect.signature(factory).parameters
     torch_kwargs = {}
     for name, value in kwargs.items():
@@ -126,7 +126,7 @@ class Leaf(NamedTuple):
 
     path: str  # dotted path in the state tree
     kind: str  # "buffer" (one param's), "count", "hyperparam" or "other"
-    param: str | None = None  # the param a buffer belongs to
+    param: str = ""  # the param a buffer belongs to ("" for the other kinds)
     key: str = ""  # the buffer's name in the state_dict
 
 

@@ -119,9 +119,7 @@ def scale_by_normuon(
     def leads(tree: Any, what: str) -> list[int]:
         lay.whole_leaves(tree, stacks=True)  # per-matrix math: same-shape matrices stacked
         _check_matrices(tree, what)
-        batch = leaf_batch_dims(tree, batch_dims)
-        if any(batch) and lay.is_sharded(tree):  # per-matrix norms are not summed across shards
-            raise lay.per_leaf_only("NorMuon with batch_dims runs on whole DTensors")
+        batch = leaf_batch_dims(tree, batch_dims)  # over shards a batched leaf's row blocks are whole matrices
         return [int(k) + b for k, b in zip(lay.stacked(tree), batch)]
 
     def init(params: Params) -> ScaleByNorMuonState:

@@ -216,11 +216,18 @@ class ShardInfo:
             parts = list(x.unbind(0)) if g.is_stack else [x]
             blocks.update((m.index, p) for m, p in zip(members, parts))
             lead.update((m.index, b) for m in members)
-        sharded = tuple(sorted(i for i in blocks if self.slices[i].sharded))
-        results: dict[int, Tensor] = {}
+        # Row blocks of a leaf whose dim 0 indexes matrices (batch_dims >= 1: experts) are whole
+        # matrices: each rank computes its own, with no collective, and an expert leaf's work is
+        # split over the ranks as its rows are (blocks, not leaves).
+        by_block = [i for i in sorted(blocks) if self.slices[i].sharded and lead[i] >= 1 and blocks[i].shape[0]]
+        sharded = tuple(sorted(i for i in blocks if self.slices[i].sharded and lead[i] < 1))
+        results: dict[int, Tensor] = {
+            i: blocks[i] for i in blocks if self.slices[i].sharded and lead[i] >= 1 and not blocks[i].shape[0]
+        }
         replicated = [i for i in sorted(blocks) if not self.slices[i].sharded]
-        if replicated:  # every rank holds these whole: computed where they are
-            results.update(zip(replicated, fn([blocks[i] for i in replicated], [lead[i] for i in replicated])))
+        local = replicated + by_block
+        if local:  # every rank holds these whole (replicated leaves, its own expert matrices): computed where they are
+            results.update(zip(local, fn([blocks[i] for i in local], [lead[i] for i in local])))
         if sharded:
             results.update(self._owner_computes(sharded, blocks, fn, lead))
         out = []

@@ -3,7 +3,7 @@
 Covers AdamW + global-norm clip, Muon and NorMuon (owner-computes; NorMuon with both step
 sizes) with AdamW, LAMB (trust-ratio
 norms), AGC, cautious AdamW (per-leaf counts), Prodigy (tree-wide sums), MARS (per-leaf
-norms), ADOPT/LaProp/AdamC, `apply_if_finite` skipping on every rank when one rank's grad block holds a
+norms), ADOPT/LaProp/AdamC, Muon and NorMuon with batched expert leaves (each rank its own experts), `apply_if_finite` skipping on every rank when one rank's grad block holds a
 NaN, uneven blocks and a rank holding an empty one, compiled and eager, and a forward after
 the update (FSDP2 all-gathers the updated params). Resumes across world sizes run through the
 Trainer in tests/api/test_distributed.py.
@@ -31,7 +31,8 @@ def test_sharded_update_on_two_fsdp2_ranks_equals_one_process():
         ["normuon_adamw", "compile=False"], ["normuon_adamw", "compile=True"],
         ["normuon_original", "compile=False"], ["lamb", "compile=False"], ["adaptive_clip", "compile=False"], ["cautious_adamw", "compile=False"],
         ["prodigy", "compile=False"], ["prodigy", "compile=True"], ["mars", "compile=False"],
-        ["adopt/laprop/adamc", "compile=False"], ["muon_batch_dims", "compile=False"], ["normuon_batch_dims", "compile=False"],
+        ["adopt/laprop/adamc", "compile=False"], ["muon_batch_dims", "compile=False"],
+        ["normuon_batch_dims", "compile=False"], ["normuon_batch_dims", "compile=True"],
         ["per-leaf-DTensor", "compile=False"],
     ], out.stdout
 

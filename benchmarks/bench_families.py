@@ -1,4 +1,4 @@
-"""The third release's optimizer families side by side on the demo GPT, and a μP transfer check.
+"""The third and fourth releases' optimizer families side by side on the demo GPT, and a μP transfer check.
 
     python benchmarks/bench_families.py quality --optimizers adamw muon ademamix cautious_adamw --seed 0
     python benchmarks/bench_families.py quality --optimizers normuon soap --seed 0   # needs normuon/soap in purestep
@@ -97,6 +97,15 @@ OPTIMIZERS: dict[str, Callable[[int], ps.Transform]] = {
     "ademamix": lambda steps: ps.ademamix(schedule(ADAMW_LR, steps), b1=0.9, b2=0.95, b3=_b3_warmup(0.9, 0.999, steps),
                                           alpha=_alpha_warmup(5.0, steps), weight_decay=WD),
     "cautious_adamw": lambda steps: ps.cautious_adamw(schedule(ADAMW_LR, steps), betas=(0.9, 0.95), weight_decay=WD),
+    # The fourth release's, each at the AdamW recipe's lr and schedule (Prodigy: its lr is a
+    # multiplier of the learned step, shaped by the same schedule from 1).
+    "adopt": lambda steps: ps.adopt(schedule(ADAMW_LR, steps), b1=0.9, b2=0.9999, weight_decay=WD),
+    "prodigy": lambda steps: ps.prodigy(schedule(1.0, steps), b1=0.9, b2=0.95, weight_decay=WD),
+    "mars": lambda steps: ps.mars(schedule(ADAMW_LR, steps), b1=0.95, b2=0.99, weight_decay=WD),
+    "laprop": lambda steps: ps.laprop(schedule(ADAMW_LR, steps), b1=0.9, b2=0.95, weight_decay=WD),
+    "adamc": lambda steps: ps.adamc(schedule(ADAMW_LR, steps), b1=0.9, b2=0.95, weight_decay=WD),
+    "adamw_cwd": lambda steps: ps.adamw(schedule(ADAMW_LR, steps), betas=(0.9, 0.95), weight_decay=WD,
+                                        cautious_weight_decay=True),
 }
 NEEDS = {"normuon": "normuon_adamw", "soap": "soap", "ademamix": "ademamix", "cautious_adamw": "cautious_adamw"}
 

@@ -153,14 +153,16 @@ class Optimizer(torch.optim.Optimizer):
             {k: v for k, v in flags.items() if k in defaults or v}
         )  # what the caller said, as torch keeps it
         super().__init__(params, defaults)
-        self.state = TorchState(self._expose_all)  # torch's state, the buffers filled in when read
+        self.state = TorchState(self._expose_all, self._expose_one)  # torch's state, the buffers filled in when read
         if self._factory is None:  # what schedulers read (OneCycleLR checks for "betas"/"momentum")
             self.defaults = {k: v for k, v in self.param_groups[0].items() if k not in L.STRUCTURE_KEYS}
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "state" and "state" in self.__dict__ and not isinstance(value, TorchState):
             self.state.fresh()  # what it showed, to compare with at the next step
-            replaced = TorchState(self._expose_all)  # code replaced the state dict: taken in at the next step
+            replaced = TorchState(
+                self._expose_all, self._expose_one
+            )  # code replaced the state dict: taken in at the next step
             dict.update(replaced, value)
             replaced.edited, replaced.stale, value = True, False, replaced
         super().__setattr__(name, value)
@@ -261,7 +263,7 @@ class Optimizer(torch.optim.Optimizer):
         self._push(group, g, index)
         self._groups.append(g)
         if isinstance(self.state, TorchState):  # torch.optim's __init__ adds the first groups to a plain dict
-            self.state.stale = True
+            self.state.mark_stale()
 
     def _push(self, group: dict[str, Any], g: Group, index: int) -> None:
         """Write group values that changed into the state; refuse a changed structural one."""
@@ -297,7 +299,7 @@ class Optimizer(torch.optim.Optimizer):
         return loss
 
     def _step(self) -> None:
-        if self.state.edited:
+        if self.state.edited or self.state.touched:
             self._take_edits()
         for index, (group, g) in enumerate(zip(self.param_groups, self._groups)):
             params = cast(list[Tensor], real(group["params"]))
@@ -324,7 +326,7 @@ class Optimizer(torch.optim.Optimizer):
                     p.copy_(new)
             if held is not None:
                 g.give_back(params, held)
-        self.state.stale = True  # `state` shows the new buffers when it is next read
+        self.state.mark_stale()  # `state` shows the new buffers when it is next read
 
     # ------------------------------------------------------------------ state
 
@@ -467,7 +469,7 @@ class Optimizer(torch.optim.Optimizer):
             for p in group["params"]:  # what code put there before is replaced by what was saved
                 dict.pop(self.state, p, None)
             g.shown = {}
-            self.state.stale = True
+            self.state.mark_stale()
         for p, extra in zip((p for group in self.param_groups for p in group["params"]), extras):
             if extra:
                 self.state[p].update(extra)
@@ -479,18 +481,36 @@ class Optimizer(torch.optim.Optimizer):
             if key not in saved_ids:
                 self.state[key] = value
 
-    def _expose_all(self) -> None:
+    def _expose_all(self, skip: set[int] | frozenset[int] = frozenset()) -> None:
         for group, g in zip(self.param_groups, self._groups):
             if not g.lazy and L.keeps_buffers(g.mirror, group):
-                g.expose(self.state, group["params"])
+                g.expose(self.state, group["params"], skip=skip)
+
+    def _expose_one(self, param: Tensor) -> bool:
+        """`state[param]` alone shown; False when `param` is none of this optimizer's params."""
+        for group, g in zip(self.param_groups, self._groups):
+            for j, p in enumerate(group["params"]):
+                if p is param:
+                    if not g.lazy and L.keeps_buffers(g.mirror, group):
+                        g.expose(self.state, group["params"], only={j})
+                    return True
+        return False
 
     def _take_edits(self) -> None:
-        """What code changed in `state` since the last step, taken in (see `Group.take_edits`)."""
-        self.state.edited = False
+        """What code changed in `state` since the last step, taken in (see `Group.take_edits`):
+        every param's entry after a read of the whole state, else the entries read one by one."""
+        whole, touched = self.state.edited, self.state.touched
+        self.state.edited, self.state.touched = False, {}
         for index, (group, g) in enumerate(zip(self.param_groups, self._groups)):
-            if not g.lazy:
+            if g.lazy:
+                continue
+            if whole:
                 g.take_edits(self.state, group["params"], index)
-        self.state.stale = True  # shown again, as they now are, when next read
+                continue
+            only = {j for j, p in enumerate(group["params"]) if id(p) in touched}
+            if only:
+                g.take_edits(self.state, group["params"], index, only=only)
+        self.state.mark_stale()  # shown again, as they now are, when next read
 
     def _extras(self, params: list[Tensor], g: Group) -> list[dict[str, Any]]:
         """What else code put into `self.state[param]` (a wrapper's slow weights, say), per param."""

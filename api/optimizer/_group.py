@@ -28,20 +28,43 @@ class ParamGroup(dict):
 
 class TorchState(collections.defaultdict):
     """torch.optim's `state` (param -> dict): the params' purestep buffers are filled in when
-    it is read, so a step only marks it stale and costs nothing here. A read or a write marks
-    it `edited` (what a read returns may be written to), and the next step takes in what
-    code changed (`Group.take_edits`)."""
+    it is read, so a step only marks it stale and costs nothing here. Reading one param's
+    entry (`state[p]`, `state.get(p)`, `p in state`) shows that entry alone and marks that
+    param `touched`; any other read or a write shows every entry and marks the whole state
+    `edited` (what a read returns may be written to). The next step takes in what code
+    changed (`Group.take_edits`), for the touched params only when nothing else was read, so
+    code that reads a param's `step` or moments every step costs one entry, not all of them."""
 
-    def __init__(self, refresh: Callable[[], None]) -> None:
+    def __init__(
+        self, refresh: Callable[[set[int]], None], refresh_one: Callable[[Tensor], bool] | None = None
+    ) -> None:
         super().__init__(dict)
-        self._refresh, self.stale, self.edited = refresh, True, False
+        self._refresh, self._refresh_one = refresh, refresh_one
+        self.stale, self.edited = True, False
+        self.shown_now: set[int] = set()  # ids of the params shown since the state went stale
+        self.touched: dict[int, Tensor] = {}  # params read one by one since the last step
+
+    def mark_stale(self) -> None:
+        """The buffers moved on (a step, a load): every entry is shown anew when next read."""
+        self.stale, self.shown_now = True, set()
 
     def fresh(self) -> "TorchState":
         self.edited = True
         if self.stale:
             self.stale = False
-            self._refresh()
+            self._refresh(self.shown_now)  # the entries shown one by one keep what code did to them
         return self
+
+    def _one(self, key: Any) -> bool:
+        """Show `key`'s entry alone (a param this state knows); False for anything else."""
+        if self._refresh_one is None or not isinstance(key, Tensor):
+            return False
+        if self.stale and id(key) not in self.shown_now:
+            if not self._refresh_one(key):
+                return False
+            self.shown_now.add(id(key))
+        self.touched[id(key)] = key
+        return True
 
     # Writes show the buffers first, so that the next step sees what was there before them.
     def __setitem__(self, key: Any, value: Any) -> None:
@@ -66,6 +89,8 @@ class TorchState(collections.defaultdict):
         super(TorchState, self.fresh()).clear()
 
     def __getitem__(self, key: Any) -> Any:
+        if self._one(key):
+            return super().__getitem__(key)  # a param without an entry gets an empty one, as torch's
         return super(TorchState, self.fresh()).__getitem__(key)
 
     def __iter__(self) -> Any:
@@ -75,12 +100,16 @@ class TorchState(collections.defaultdict):
         return super(TorchState, self.fresh()).__len__()
 
     def __contains__(self, key: Any) -> bool:
+        if self._one(key):
+            return super().__contains__(key)
         return super(TorchState, self.fresh()).__contains__(key)
 
     def __repr__(self) -> str:
         return dict.__repr__(self.fresh())
 
     def get(self, key: Any, default: Any = None) -> Any:
+        if self._one(key):
+            return super().get(key, default)
         return super(TorchState, self.fresh()).get(key, default)
 
     def items(self) -> Any:
@@ -174,21 +203,34 @@ class Group:
         """Whether the group shows torch's per-param `step` (its factory mirrors Adam or AdamW)."""
         return self.mirror is not None and self.mirror.has_step and self.count is not None
 
-    def expose(self, state: TorchState, params: list[Tensor]) -> None:
+    def expose(
+        self,
+        state: TorchState,
+        params: list[Tensor],
+        only: set[int] | None = None,
+        skip: frozenset[int] | set[int] = frozenset(),
+    ) -> None:
         """`state[param]` shows the param's own buffers (the live state tensors, torch's
         names where the factory mirrors a torch class), as torch.optim's state does: code
         that reads it, and torch.distributed.checkpoint's `get_state_dict` (which steps an
-        optimizer whose state is empty), see what there is."""
+        optimizer whose state is empty), see what there is. `only`: those positions alone;
+        `skip`: the ids of params shown already (their entries are left as code left them)."""
         leaves = ps.tree_leaves(self.state)
+        show = [j for j in (range(len(params)) if only is None else sorted(only)) if id(params[j]) not in skip]
+        if not show:
+            return
+        wanted = set(show)
         for i, j, key in self.buffers:
-            p = params[j]
-            state[p][key] = self.shown[j, key] = torch.view_as_complex(leaves[i]) if p.is_complex() else leaves[i]
+            if j in wanted:
+                p = params[j]
+                value = torch.view_as_complex(leaves[i]) if p.is_complex() else leaves[i]
+                dict.setdefault(state, p, {})[key] = self.shown[j, key] = value
         if self.has_step:  # torch's per-param `step`: the group's count, as torch keeps it (a CPU float)
             step = L.torch_step(leaves[self.count])
-            for j, p in enumerate(params):
-                state[p]["step"] = self.shown[j, "step"] = step.clone()
+            for j in show:
+                dict.setdefault(state, params[j], {})["step"] = self.shown[j, "step"] = step.clone()
 
-    def take_edits(self, state: TorchState, params: list[Tensor], index: int) -> None:
+    def take_edits(self, state: TorchState, params: list[Tensor], index: int, only: set[int] | None = None) -> None:
         """What code changed in `state` for this group's params since the last step, taken in
         as torch.optim would.
 
@@ -203,6 +245,8 @@ class Group:
         keys = [(i, j, key) for i, j, key in self.buffers] + (
             [(self.count, j, "step") for j in range(len(params))] if self.has_step else []
         )
+        if only is not None:  # only these params were read (one by one): only theirs can have changed
+            keys = [k for k in keys if k[1] in only]
         reset, assigned, steps = set(), [], {}
         for i, j, key in keys:
             entry, shown = dict.get(state, params[j]), self.shown.get((j, key), MISSING)

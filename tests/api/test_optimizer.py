@@ -692,3 +692,30 @@ def test_fused_adapter_does_not_step_when_found_inf_is_set_by_hand():
     opt.step()
     assert not torch.equal(model.weight.detach(), before[0])
     assert float(opt.state_dict()["state"][0]["step"]) == 1
+
+
+def test_reading_one_params_state_each_step_shows_and_checks_that_entry_alone():
+    """#32: code that reads a param's `step` or moments every step costs that entry, not a walk
+    over every buffer; the entry is live (torch's values) and an edit to it is still taken in."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    twin = copy.deepcopy(model)
+    ours = Optimizer(model.parameters(), ps.adamw, lr=1e-2, compile=False)
+    theirs = torch.optim.AdamW(twin.parameters(), lr=1e-2, foreach=False)
+    first, other = next(model.parameters()), list(model.parameters())[-1]
+    for step in range(1, 4):
+        for m, opt in ((model, ours), (twin, theirs)):
+            opt.zero_grad()
+            m(torch.ones(2, 4)).sum().backward()
+            opt.step()
+        entry = ours.state[first]
+        assert float(entry["step"]) == step == float(theirs.state[next(twin.parameters())]["step"])
+        assert set(ours.state.touched) == {id(first)} and not ours.state.edited  # one entry shown and marked
+        assert id(other) not in ours.state.shown_now
+    entry["exp_avg"] = torch.zeros_like(entry["exp_avg"])  # an edit to the entry read: taken in
+    theirs.state[next(twin.parameters())]["exp_avg"] = torch.zeros_like(entry["exp_avg"])
+    for m, opt in ((model, ours), (twin, theirs)):
+        opt.zero_grad()
+        m(torch.ones(2, 4)).sum().backward()
+        opt.step()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

@@ -155,6 +155,14 @@ class Group:
         self.shown: dict[tuple[int, str], Any] = {}  # (param index, key) -> the object `state` shows
         self.refresh()
 
+    def leaves(self) -> Any:
+        """The state's leaves, flattened once per state tree: a donated update keeps the tree and
+        its tensor objects (their values change in place), so reading `state` does not flatten it."""
+        cached = getattr(self, "_leaves", None)
+        if cached is None or cached[0] is not self.state:
+            self._leaves = (self.state, ps.tree_leaves(self.state))
+        return self._leaves[1]
+
     def refresh(self) -> None:
         """Re-read the injected hyperparameters after the state was replaced."""
         self.shown = {}
@@ -215,7 +223,7 @@ class Group:
         that reads it, and torch.distributed.checkpoint's `get_state_dict` (which steps an
         optimizer whose state is empty), see what there is. `only`: those positions alone;
         `skip`: the ids of params shown already (their entries are left as code left them)."""
-        leaves = ps.tree_leaves(self.state)
+        leaves = self.leaves()
         show = [j for j in (range(len(params)) if only is None else sorted(only)) if id(params[j]) not in skip]
         if not show:
             return
@@ -241,7 +249,7 @@ class Group:
         a group starts over, so does the group's whole state, step count included. An entry
         that lost some of its buffers starts over too, then takes the ones it holds. An
         assigned `step` sets the group's step count (one per group here)."""
-        leaves = ps.tree_leaves(self.state)
+        leaves = self.leaves()
         keys = [(i, j, key) for i, j, key in self.buffers] + (
             [(self.count, j, "step") for j in range(len(params))] if self.has_step else []
         )

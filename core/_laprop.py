@@ -26,6 +26,7 @@ from ._base import (
     zero_count,
 )
 from ._combine import chain, identity, masked
+from ._optimizers import _is_zero
 from ._scaling import scale_by_lr
 
 
@@ -171,7 +172,7 @@ def laprop(
     check_hyperparam("weight_decay", weight_decay)
     check_nonnegative("weight_decay", weight_decay)
     block = scale_by_laprop(lr, b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype, rounding=rounding)
-    if isinstance(weight_decay, (int, float)) and weight_decay == 0:
+    if _is_zero(weight_decay):
         decay = identity()  # left out, the state layout kept
     else:
         decay = _decay_after(lr, weight_decay) if mask is None else masked(_decay_after(lr, weight_decay), mask)

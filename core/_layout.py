@@ -113,7 +113,9 @@ def global_sums(tree: Any, *lists: Sequence[Tensor]) -> list[Tensor]:
         sums = [torch.sum(x, dtype=acc) for x in xs]
         if weights is not None:  # a buffer of replicated leaves is counted on rank 0 only
             sums = [s * w for s, w in zip(sums, weights)]
-        parts.append(torch.stack(sums).sum() if sums else torch.zeros((), dtype=acc))
+        parts.append(
+            torch.stack(sums).sum() if sums else torch.zeros((), dtype=acc, device=every[0].device if every else None)
+        )
     total = torch.stack(parts)
     if shard is not None:
         total = shard.all_reduce(total)

@@ -26,7 +26,7 @@ from ._base import (
     resolve,
     zero_count,
 )
-from ._optimizers import _check_lr
+from ._optimizers import _check_lr, _is_zero
 
 
 class ProdigyState(NamedTuple):
@@ -140,7 +140,7 @@ def prodigy(
         denom = ls.add_scalar_(ls.sqrt(vs), d_new * eps)
         out = ls.mul_(ls.div_into_(list(ms), denom), -dlr)
         wd = resolve(weight_decay, state.count)
-        if not (isinstance(wd, (int, float)) and wd == 0):
+        if not _is_zero(wd):
             out = ls.axpy(-dlr * wd, xs, out)
         unflat = lambda leaves, like: pytree.tree_unflatten(ls.cast_like(leaves, pytree.tree_leaves(like)), spec)  # noqa: E731
         new_state = ProdigyState(

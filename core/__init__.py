@@ -15,6 +15,9 @@ from ._base import Schedule as Schedule
 from ._base import Transform as Transform
 from ._base import once as once
 from ._base import with_in_place as with_in_place
+from .engine.needs import Needs as Needs
+from .engine.needs import needs_of as needs_of
+from .engine.needs import with_needs as with_needs
 from ._clipping import ClipByGlobalNormState as ClipByGlobalNormState
 from ._clipping import ClipByRunningNormState as ClipByRunningNormState
 from ._clipping import adaptive_clip as adaptive_clip
@@ -142,6 +145,9 @@ __all__ = [
     # base
     "Transform",
     "with_in_place",
+    "Needs",
+    "with_needs",
+    "needs_of",
     "once",
     "EmptyState",
     "Schedule",

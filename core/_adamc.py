@@ -24,6 +24,7 @@ from ._base import (
 )
 from ._combine import chain, masked
 from ._scaling import scale_by_adam, scale_by_lr
+from .engine.needs import Needs, with_needs
 
 
 class AdamcState(NamedTuple):
@@ -50,7 +51,7 @@ def _corrected_decay(weight_decay: ScalarOrSchedule, lr: ScalarOrSchedule) -> Tr
         out = ls.cast_like(ls.axpy(resolve(weight_decay, state.count) * ratio, ps_, us), us)
         return pytree.tree_unflatten(out, spec), AdamcState(state.count + 1, top)
 
-    return Transform(init, update)
+    return with_needs(Transform(init, update), Needs())
 
 
 def adamc(

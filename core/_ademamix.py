@@ -25,6 +25,7 @@ from ._base import (
 from ._combine import chain
 from ._optimizers import _check_lr, _decay
 from ._scaling import scale_by_lr
+from .engine.needs import Needs, with_needs
 
 _SLOW_SALT = 1  # stochastic rounding of m₂ draws bits apart from m₁'s and ν's
 
@@ -116,7 +117,7 @@ def scale_by_ademamix(
         )
         return pytree.tree_unflatten(out, spec), new_state
 
-    return Transform(init, update)
+    return with_needs(Transform(init, update), Needs(flat=lp.unpackable(mu_dtype, nu_dtype)))
 
 
 def ademamix(

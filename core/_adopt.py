@@ -25,6 +25,7 @@ from ._base import (
 from ._combine import chain
 from ._optimizers import _decay
 from ._scaling import scale_by_lr
+from .engine.needs import Needs, with_needs
 
 
 class ScaleByAdoptState(NamedTuple):
@@ -85,7 +86,7 @@ def scale_by_adopt(
         )
         return pytree.tree_unflatten(ls.cast_like(mu, gs), spec), new_state
 
-    return Transform(init, update)
+    return with_needs(Transform(init, update), Needs(flat=lp.unpackable(mu_dtype, nu_dtype)))
 
 
 def adopt(

@@ -8,12 +8,13 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import _layout as lay
+from .engine import ops as lay
 from . import _tree as tr
 from ._base import OptState, Params, ScalarOrSchedule, Transform, check_betas, check_hyperparam, check_nonnegative
 from ._combine import chain
 from ._optimizers import _check_lr, _decay
 from ._scaling import scale_by_adam, scale_by_lr
+from .engine.needs import Needs, with_needs
 
 _RESCALES = ("count", "mean")
 _MEAN_FLOOR = 1e-3  # C-Optim's (and timm's) floor on the kept fraction under rescale="mean"
@@ -77,7 +78,6 @@ def cautious(transform: Transform, *, before_lr: bool = False, rescale: str = "c
         return transform.init(params)
 
     def update(grads, state, params=None, **extra):
-        lay.whole_leaves(grads, stacks=True)  # per-leaf counts: same-shape leaves stacked
         updates, state = transform.update(grads, state, params, **extra)
         us, spec = pytree.tree_flatten(updates)
         gs = tr.check_match(grads, updates, "grads", "updates", dtype=False)
@@ -90,7 +90,9 @@ def cautious(transform: Transform, *, before_lr: bool = False, rescale: str = "c
             out.append(u * (keep.to(u.dtype) * factor))  # a NaN in u stays NaN, as in C-Optim
         return pytree.tree_unflatten(out, spec), state
 
-    return Transform(init, update)
+    # Per-leaf counts: same-shape leaves stacked.
+    needs = Needs(whole_leaves=True, reductions=("leaf_sums",), parts=lambda tree: [(transform, None)])
+    return with_needs(Transform(init, update), needs)
 
 
 def cautious_adamw(

@@ -8,7 +8,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import _layout as lay
+from .engine import ops as lay
 from . import _lists as ls
 from . import _tree as tr
 from ._base import (
@@ -24,6 +24,7 @@ from ._base import (
     require_params,
     zero_count,
 )
+from .engine.needs import Needs, with_needs
 
 _NORM_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: coef = max_norm / (norm + 1e-6)
 
@@ -80,7 +81,7 @@ def clip_by_global_norm(max_norm: float | Tensor) -> Transform:
         out = ls.cast_like(ls.mul(gs, coef), gs)
         return pytree.tree_unflatten(out, spec), ClipByGlobalNormState(norm.to(state.norm.dtype))
 
-    return Transform(init, update)
+    return with_needs(Transform(init, update), Needs(reductions=("global_norm",)))
 
 
 def _clamp(xs: list[Tensor], lo: float | Tensor, hi: float | Tensor) -> list[Tensor]:
@@ -110,7 +111,7 @@ def clip_by_value(max_abs: float | Tensor) -> Transform:
         out = ls.cast_like(_clamp(gs, lo, max_abs), gs)
         return pytree.tree_unflatten(out, spec), state
 
-    return Transform(init, update)
+    return with_needs(Transform(init, update), Needs())
 
 
 def _unit_dims(x: Tensor, axis: int | tuple[int, ...] | None) -> tuple[int, ...] | None:
@@ -169,7 +170,6 @@ def adaptive_clip(clipping: float = 0.01, eps: float = 1e-3, *, axis: int | tupl
 
     def update(grads, state, params=None, **extra):
         require_params(params, "adaptive_clip")
-        lay.whole_leaves(grads, stacks=True)  # per-unit norms: same-shape leaves stacked
         ps_ = tr.check_match(params, grads, "params", "grads", dtype=False)
         gs, spec = pytree.tree_flatten(grads)
         flags, shapes = lay.stacked(grads), lay.global_shapes(grads)
@@ -190,7 +190,7 @@ def adaptive_clip(clipping: float = 0.01, eps: float = 1e-3, *, axis: int | tupl
             out.append(torch.where(g_norm < max_norm, g, clipped).to(g.dtype))
         return pytree.tree_unflatten(out, spec), state
 
-    return Transform(init, update)
+    return with_needs(Transform(init, update), Needs(whole_leaves=True, reductions=("leaf_norms",)))
 
 
 class ClipByRunningNormState(NamedTuple):
@@ -254,4 +254,4 @@ def clip_by_running_norm(factor: float = 2.0, beta: float = 0.99, warmup_steps: 
         mu = beta * state.mu + (1.0 - beta) * (norm * coef)
         return pytree.tree_unflatten(out, spec), ClipByRunningNormState(state.count + 1, mu, norm)
 
-    return Transform(init, update)
+    return with_needs(Transform(init, update), Needs(reductions=("global_norm",)))

@@ -9,9 +9,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import _layout as lay
+from .engine import ops as lay
 from . import _lists as ls
 from . import _tree as tr
+from .engine.needs import Needs, Rule, with_needs
 from ._base import (
     check_int,
     EmptyState,
@@ -45,7 +46,7 @@ def identity() -> Transform:
     def update(grads, state, params=None, **extra):
         return grads, state
 
-    return Transform(init, with_in_place(update, affine=lambda state: (1.0, 0.0, state)))
+    return with_needs(Transform(init, with_in_place(update, affine=lambda state: (1.0, 0.0, state))), Needs())
 
 
 def apply_in_place(
@@ -131,7 +132,8 @@ def chain(*transforms: Transform) -> Transform:
             ls.scale_add_(tr.check_match(params, grads, "params", "grads", dtype=False), a, b, tr.tree_leaves(grads))
         return tuple(new_state)
 
-    return Transform(init, with_in_place(update, apply_=apply_))
+    t = Transform(init, with_in_place(update, apply_=apply_))
+    return with_needs(t, Needs(parts=lambda tree: [(inner, None) for inner in transforms]))
 
 
 # --------------------------------------------------------------------------- #
@@ -139,10 +141,13 @@ def chain(*transforms: Transform) -> Transform:
 # --------------------------------------------------------------------------- #
 
 
-def _leaf_tags(spec_tree: Any, tree: PyTree, what: str, kind: type) -> list:
-    """Flatten a bool/str tree (or `callable(tree)`) that must match `tree` leaf for leaf."""
-    if lay.is_packed(tree):  # flat buffers: the rule is read on the packed leaves, one value per buffer
-        return lay.rule_per_group(tree, spec_tree, lambda proxy: _leaf_tags(spec_tree, proxy, what, kind))
+def _rule(spec_tree: Any, what: str, kind: type) -> Rule:
+    """A bool/str tree (or `callable(tree)`) that must match the tree leaf for leaf, as a
+    per-leaf rule (`Needs.rules`; one value per buffer on flat buffers: `ops.per_leaf`)."""
+    return Rule(what, spec_tree, lambda tree: _leaf_values(spec_tree, tree, what, kind))
+
+
+def _leaf_values(spec_tree: Any, tree: PyTree, what: str, kind: type) -> list:
     if callable(spec_tree):
         spec_tree = spec_tree(tree)
     leaves, spec = pytree.tree_flatten(tree)
@@ -161,10 +166,7 @@ def _leaf_tags(spec_tree: Any, tree: PyTree, what: str, kind: type) -> list:
 
 
 def _subtree(tree: PyTree, keep: list[bool]) -> dict[str, Any]:
-    if lay.is_packed(tree):
-        return tree.select(keep)
-    pairs, _ = tr.tree_flatten_with_path(tree)
-    return {p: x for (p, x), k in zip(pairs, keep) if k}
+    return lay.select(tree, keep)
 
 
 def _sub_extra(extra: dict, spec: pytree.TreeSpec, keep: list[bool]) -> dict:
@@ -200,12 +202,14 @@ def masked(inner: Transform, mask: Any) -> Transform:
         {'w': tensor([0.]), 'b': tensor([1.])}
     """
 
+    rule = _rule(mask, "mask", bool)
+
     def init(params: Params) -> MaskedState:
-        keep = _leaf_tags(mask, params, "mask", bool)
+        keep = lay.per_leaf(params, rule)
         return MaskedState(inner.init(_subtree(params, keep)))
 
     def update(grads, state, params=None, **extra):
-        keep = _leaf_tags(mask, params if params is not None else grads, "mask", bool)
+        keep = lay.per_leaf(params if params is not None else grads, rule)
         leaves, spec = pytree.tree_flatten(grads)
         paths = tr.tree_paths(grads)
         sub_params = None if params is None else _subtree(params, keep)
@@ -215,7 +219,7 @@ def masked(inner: Transform, mask: Any) -> Transform:
         out = [sub_updates[p] if k else g for p, k, g in zip(paths, keep, leaves)]
         return pytree.tree_unflatten(out, spec), MaskedState(inner_state)
 
-    return Transform(init, update)
+    return with_needs(Transform(init, update), Needs(rules=(rule,), parts=lambda tree: [(inner, rule.values(tree))]))
 
 
 class PartitionState(NamedTuple):
@@ -242,14 +246,19 @@ def partition(transforms: Mapping[str, Transform], labels: Any) -> Transform:
     """
     transforms = dict(transforms)
 
-    def tags(tree: PyTree) -> list[str]:
-        out = _leaf_tags(labels, tree, "labels", str)
+    def checked(tree: PyTree) -> list[str]:
+        out = _leaf_values(labels, tree, "labels", str)
         for path, label in zip(tr.tree_paths(tree), out):
             if label not in transforms:
                 raise ValueError(
                     f"labels leaf '{path}' is {label!r}, which is not one of the transforms {sorted(transforms)}"
                 )
         return out
+
+    rule = Rule("labels", labels, checked)
+
+    def tags(tree: PyTree) -> list[str]:
+        return lay.per_leaf(tree, rule)
 
     def init(params: Params) -> PartitionState:
         lab = tags(params)
@@ -274,7 +283,11 @@ def partition(transforms: Mapping[str, Transform], labels: Any) -> Transform:
                     out[i] = sub_updates[paths[i]]
         return pytree.tree_unflatten(out, spec), PartitionState(new_states)
 
-    return Transform(init, update)
+    def parts(tree: PyTree) -> list:
+        lab = tags(tree)
+        return [(t, [x == name for x in lab]) for name, t in transforms.items()]
+
+    return with_needs(Transform(init, update), Needs(rules=(rule,), parts=parts))
 
 
 # --------------------------------------------------------------------------- #
@@ -338,7 +351,7 @@ def inject_hyperparams(
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         arguments = dict(bound.arguments)
-        factory(**arguments)  # validate now, with the values as given
+        probe = factory(**arguments)  # validated now, with the values as given; its needs are this one's
         dynamic = {k: v for k, v in arguments.items() if k not in static_names and _injectable(v)}
         static = {k: v for k, v in arguments.items() if k not in dynamic}
 
@@ -368,7 +381,8 @@ def inject_hyperparams(
             inner_state = apply_in_place(factory(**hp, **static), grads, state.inner_state, params, a, b)
             return InjectHyperparamsState(state.count + 1, hp, inner_state)
 
-        return Transform(init, with_in_place(update, apply_=apply_))
+        t = Transform(init, with_in_place(update, apply_=apply_))
+        return with_needs(t, Needs(parts=lambda tree: [(probe, None)]))
 
     return wrapped
 
@@ -501,7 +515,7 @@ def apply_if_finite(inner: Transform, max_consecutive: int | None = None) -> Tra
         total = state.total_notfinite + (~finite).to(torch.int64)
         return updates, ApplyIfFiniteState(notfinite, finite, total, inner_state)
 
-    return Transform(init, update)
+    return with_needs(Transform(init, update), Needs(reductions=("all_finite",), parts=lambda tree: [(inner, None)]))
 
 
 class AccumulateState(NamedTuple):
@@ -536,4 +550,4 @@ def accumulate(inner: Transform, every: int) -> Transform:
         mini = torch.where(ready, torch.zeros_like(state.mini_step), state.mini_step + 1)
         return updates, AccumulateState(mini, pytree.tree_unflatten(acc, spec), inner_state)
 
-    return Transform(init, update)
+    return with_needs(Transform(init, update), Needs(parts=lambda tree: [(inner, None)]))

@@ -9,7 +9,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import _layout as lay
+from .engine import ops as lay
 from . import _lists as ls
 from . import _tree as tr
 from ._base import (
@@ -28,6 +28,7 @@ from ._base import (
     zero_count,
 )
 from ._combine import masked
+from .engine.needs import Needs, Rule, with_needs
 
 
 class AddDecayedWeightsState(NamedTuple):
@@ -80,7 +81,7 @@ def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0, mask: Any = None, 
         return pytree.tree_unflatten(ls.cast_like(ls.axpy(wd, ps_, us), us), spec), state
 
     # The cautious decay is not affine in (u, p): no in-place form then.
-    t = Transform(init, update if cautious else with_in_place(update, affine=affine))
+    t = with_needs(Transform(init, update if cautious else with_in_place(update, affine=affine)), Needs())
     return t if mask is None else masked(t, mask)
 
 
@@ -237,19 +238,18 @@ def scale_per_leaf(multipliers: Any) -> Transform:
             if callable(m):
                 raise ValueError(f"multipliers leaf '{path}' must be a float or a 0-d tensor, not a schedule")
 
+    rule = Rule("multipliers", multipliers, lambda tree: _multipliers_per_leaf(multipliers, tree))
+
     def init(params: Params) -> EmptyState:
         return EmptyState()
 
     def update(grads, state, params=None, **extra):
         gs, spec = pytree.tree_flatten(grads)
-        if lay.is_packed(grads):  # flat buffers: the multipliers are read on the packed leaves
-            factors = lay.rule_per_group(grads, multipliers, lambda proxy: _multipliers_per_leaf(multipliers, proxy))
-        else:
-            factors = _multipliers_per_leaf(multipliers, grads)
+        factors = lay.per_leaf(grads, rule)
         if ls.use_foreach(gs) and all(is_static(f) for f in factors):
             out = list(torch._foreach_mul(gs, [float(f) for f in factors]))
         else:
             out = [g * f for g, f in zip(gs, factors)]
         return pytree.tree_unflatten(ls.cast_like(out, gs), spec), state
 
-    return Transform(init, update)
+    return with_needs(Transform(init, update), Needs(rules=(rule,)))

@@ -28,6 +28,7 @@ from ._base import (
 from ._combine import chain, identity, masked
 from ._optimizers import _is_zero
 from ._scaling import scale_by_lr
+from .engine.needs import Needs, with_needs
 
 
 class ScaleByLapropState(NamedTuple):
@@ -105,7 +106,7 @@ def scale_by_laprop(
         )
         return pytree.tree_unflatten(out, spec), new_state
 
-    return Transform(init, update)
+    return with_needs(Transform(init, update), Needs(flat=lp.unpackable(mu_dtype, nu_dtype)))
 
 
 def _decay_after(lr: ScalarOrSchedule, weight_decay: ScalarOrSchedule) -> Transform:
@@ -124,7 +125,7 @@ def _decay_after(lr: ScalarOrSchedule, weight_decay: ScalarOrSchedule) -> Transf
         out = ls.cast_like(ls.axpy(-shrink, ls.add(ps_, us), us), us)
         return pytree.tree_unflatten(out, spec), (DecayAfterState(state.count + 1) if scheduled else state)
 
-    return Transform(init, update)
+    return with_needs(Transform(init, update), Needs())
 
 
 def laprop(

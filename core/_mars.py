@@ -8,7 +8,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import _layout as lay
+from .engine import ops as lay
 from . import _lists as ls
 from . import _precision as lp
 from ._base import (
@@ -27,6 +27,7 @@ from ._base import (
 from ._combine import chain
 from ._optimizers import _decay
 from ._scaling import scale_by_lr
+from .engine.needs import Needs, with_needs
 
 
 class ScaleByMarsState(NamedTuple):
@@ -67,12 +68,6 @@ def scale_by_mars(
         return ScaleByMarsState(count, lp.init_moments(params, mu_dtype), lp.init_moments(params, nu_dtype), last)
 
     def update(grads, state, params=None, **extra):
-        lay.whole_leaves(grads, stacks=True)  # a norm per leaf: same-shape leaves stacked
-        narrow = any(x.dtype in (torch.bfloat16, torch.float16) for x in pytree.tree_leaves(grads))
-        if narrow and any(lay.stacked(grads)):
-            # inductor (torch 2.13, CPU) fails to compile this norm on stacks of 16-bit leaves
-            # ("KeyError: 'buf6'" in its outer-loop fusion): such params keep the per-leaf path.
-            raise lay.per_leaf_only("MARS on stacks of 16-bit leaves (an inductor 2.13 bug in its per-leaf norm)")
         beta1, beta2 = resolve(b1, state.count), resolve(b2, state.count)
         gs, wide, mu = lp.load_moments(grads, state.mu, params)
         nu = lp.load_moments(grads, state.nu, second=True)[2]
@@ -98,7 +93,14 @@ def scale_by_mars(
         )
         return pytree.tree_unflatten(out, spec), new_state
 
-    return Transform(init, update)
+    # A norm per leaf: same-shape leaves stacked, but 16-bit leaves are buffers of their own:
+    # inductor (torch 2.13, CPU) fails to compile this norm on stacks of 16-bit leaves
+    # ("KeyError: 'buf6'" in its outer-loop fusion).
+    wide_only = lambda path, leaf: leaf.dtype not in (torch.bfloat16, torch.float16)  # noqa: E731
+    return with_needs(
+        Transform(init, update),
+        Needs(flat=lp.unpackable(mu_dtype, nu_dtype), whole_leaves=True, stacks=wide_only, reductions=("leaf_norms",)),
+    )
 
 
 def mars(

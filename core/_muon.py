@@ -10,7 +10,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import _layout as lay
+from .engine import ops as lay
 from . import _precision as lp
 from . import _lists as ls
 from . import _tree as tr
@@ -31,6 +31,7 @@ from ._combine import chain, partition
 from ._decay import param_kind
 from ._optimizers import _decay, adamw
 from ._scaling import scale_by_lr
+from .engine.needs import Needs, Rule, with_needs
 
 # torch.optim.Muon's quintic Newton-Schulz coefficients (from Keller Jordan's Muon), used every iteration.
 NS5_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -170,9 +171,13 @@ def orthogonalize_leaves(
 def leaf_batch_dims(tree: PyTree, batch_dims: Any) -> list[int]:
     """Per leaf of `tree` (flatten order): how many leading dims index separate matrices,
     from `batch_dims` (an int, a tree of ints like the params, or `(path, leaf) -> int`);
-    on flat buffers one value per buffer, resolved once per layout (keyed by the
-    `batch_dims` object, the user's own: the same across rebuilds of the transform, as
-    `inject_hyperparams` makes them), the planner splitting buffers whose leaves differ."""
+    on flat buffers one value per buffer, as the planner read them (`batch_rule`)."""
+    return lay.per_leaf(tree, batch_rule(batch_dims))
+
+
+def batch_rule(batch_dims: Any) -> Rule:
+    """`batch_dims` as a per-leaf rule (`Needs.rules`), known by the user's own object: the
+    same across rebuilds of the transform, as `inject_hyperparams` makes them."""
 
     def per_leaf(whole: PyTree) -> list[int]:
         pairs = tr.tree_flatten_with_path(whole)[0]
@@ -197,9 +202,7 @@ def leaf_batch_dims(tree: PyTree, batch_dims: Any) -> list[int]:
                 )
         return [int(b) for b in values]
 
-    if lay.is_packed(tree):
-        return lay.rule_per_group(tree, batch_dims, per_leaf)
-    return per_leaf(tree)
+    return Rule("batch_dims", batch_dims, per_leaf)
 
 
 def _lr_ratio(shape: torch.Size, adjust_lr: str) -> float:
@@ -303,7 +306,6 @@ def scale_by_muon(
         )
 
     def init(params: Params) -> ScaleByMuonState:
-        lay.whole_leaves(params, stacks=True)  # per-matrix math: same-shape matrices stacked
         _check_matrices(params, "params")
         leaf_batch_dims(params, batch_dims)  # refused now, not at the first update
         leaves = pytree.tree_leaves(params)
@@ -329,7 +331,12 @@ def scale_by_muon(
         stored = lp.store_moments(mu, state.mu, lp.moment_keys(state.count, rounding, state.mu))
         return pytree.tree_unflatten(out, spec), ScaleByMuonState(state.count + 1, stored)
 
-    return Transform(init, update)
+    # Per-matrix math: same-shape matrices stacked; batch dims a per-leaf rule.
+    rules = (batch_rule(batch_dims),)
+    return with_needs(
+        Transform(init, update),
+        Needs(whole_leaves=True, rules=rules, reductions=("map_matrices",), flat=lp.unpackable(mu_dtype)),
+    )
 
 
 # --------------------------------------------------------------------------- #

@@ -12,7 +12,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import _layout as lay
+from .engine import ops as lay
 from . import _lists as ls
 from . import _precision as lp
 from ._base import (
@@ -29,10 +29,11 @@ from ._base import (
 from ._combine import chain, partition
 from ._decay import add_decayed_weights
 from ._muon import NS5_COEFFICIENTS, Coefficients, _check_matrices, _coefficient_schedule, check_muon_args
-from ._muon import leaf_batch_dims, muon_labels, orthogonalize_leaves
+from ._muon import batch_rule, leaf_batch_dims, muon_labels, orthogonalize_leaves
 from ._optimizers import adamw
-from ._sharded import is_dtensor
+from .engine.sharded import is_dtensor
 from ._scaling import scale_by_lr
+from .engine.needs import Needs, with_needs
 
 _NS_EPS = 1e-7  # the Newton-Schulz normalization's, as scale_by_muon's default
 
@@ -117,7 +118,6 @@ def scale_by_normuon(
         raise ValueError(f"emulate_bf16 must be True, False or None, got {emulate_bf16!r}")
 
     def leads(tree: Any, what: str) -> list[int]:
-        lay.whole_leaves(tree, stacks=True)  # per-matrix math: same-shape matrices stacked
         _check_matrices(tree, what)
         batch = leaf_batch_dims(tree, batch_dims)  # over shards a batched leaf's row blocks are whole matrices
         return [int(k) + b for k, b in zip(lay.stacked(tree), batch)]
@@ -179,7 +179,16 @@ def scale_by_normuon(
         nu_tree = pytree.tree_unflatten(new_nu, pytree.tree_structure(state.nu))
         return pytree.tree_unflatten(out, spec), ScaleByNorMuonState(state.count + 1, mu_tree, nu_tree)
 
-    return Transform(init, update)
+    # Per-matrix math: same-shape matrices stacked; batch dims a per-leaf rule; ν per row.
+    rules = (batch_rule(batch_dims),)
+    needs = Needs(
+        whole_leaves=True,
+        rules=rules,
+        per_row_state=True,
+        reductions=("map_matrices", "leaf_norms"),
+        flat=lp.unpackable(mu_dtype),
+    )
+    return with_needs(Transform(init, update), needs)
 
 
 def normuon(

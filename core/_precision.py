@@ -23,9 +23,9 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import _layout as lay
 from . import _tree as tr
 from ._base import Params, Transform, leaf_device, require_params, zero_count
+from .engine.needs import Needs, with_needs
 
 # --------------------------------------------------------------------------- #
 # Counter-based random bits.
@@ -277,6 +277,12 @@ def _compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
     return out
 
 
+def unpackable(*dtypes: torch.dtype | None) -> str | None:
+    """Why state stored in `dtypes` cannot live in flat buffers (`Needs.flat`), or None: 8-bit
+    blocks would straddle the leaves of a buffer, and a per-block scale cannot be viewed per leaf."""
+    return "8-bit block-quantized state is laid out per leaf" if any(d in _FP8 for d in dtypes) else None
+
+
 def init_moments(params: Params, dtype: torch.dtype | None) -> Params:
     """Zero moments like `params`, stored in `dtype`.
 
@@ -284,10 +290,6 @@ def init_moments(params: Params, dtype: torch.dtype | None) -> Params:
     moment: g² underflows below 6e-8), which gets float32. An fp8 dtype stores
     `QuantizedTensor`s, and leaves under `MIN_QUANTIZED_SIZE` elements in float32.
     """
-    if dtype in _FP8 and lay.is_packed(params):
-        # Blocks would straddle the leaves of a flat buffer, and a per-block scale cannot
-        # be viewed per leaf: `make_update` then keeps this transform on its per-leaf path.
-        raise lay.per_leaf_only("8-bit block-quantized state is laid out per leaf")
 
     def zeros(p: Tensor) -> Any:
         if not p.is_floating_point():
@@ -456,4 +458,8 @@ def compensated_updates(*, method: str = "kahan") -> Transform:
         new_state = CompensatedUpdatesState(state.count + 1, pytree.tree_unflatten(new_cs, spec))
         return pytree.tree_unflatten(out, spec), new_state
 
-    return Transform(init, update)
+    def flat(tree: Any) -> str | None:  # a 0-d placeholder per 32-bit leaf: not shaped like the params
+        narrow = all(x.dtype in (torch.bfloat16, torch.float16) for x in pytree.tree_leaves(tree))
+        return None if narrow else "compensated_updates keeps a 0-d placeholder for each leaf that is not 16-bit"
+
+    return with_needs(Transform(init, update), Needs(flat=flat))

@@ -8,7 +8,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import _layout as lay
+from .engine import ops as lay
 from . import _lists as ls
 from . import _precision as lp
 from . import _tree as tr
@@ -27,6 +27,7 @@ from ._base import (
     zero_count,
 )
 from ._optimizers import _check_lr, _is_zero
+from .engine.needs import Needs, with_needs
 
 
 class ProdigyState(NamedTuple):
@@ -154,4 +155,4 @@ def prodigy(
         )
         return pytree.tree_unflatten(ls.cast_like(out, gs), spec), new_state
 
-    return Transform(init, update)
+    return with_needs(Transform(init, update), Needs(reductions=("global_sums",)))

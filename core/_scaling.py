@@ -11,7 +11,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import _layout as lay
+from .engine import ops as lay
 from . import _precision as lp
 from . import _lists as ls
 from . import _tree as tr
@@ -31,6 +31,7 @@ from ._base import (
     with_in_place,
     zero_count,
 )
+from .engine.needs import Needs, with_needs
 
 
 def scale(factor: float | Tensor) -> Transform:
@@ -56,7 +57,7 @@ def scale(factor: float | Tensor) -> Transform:
         leaves, spec = pytree.tree_flatten(grads)
         return pytree.tree_unflatten(ls.cast_like(ls.mul(leaves, factor), leaves), spec), state
 
-    return Transform(init, with_in_place(update, affine=affine))
+    return with_needs(Transform(init, with_in_place(update, affine=affine)), Needs())
 
 
 class ScaleByLrState(NamedTuple):
@@ -98,7 +99,7 @@ def scale_by_lr(lr: ScalarOrSchedule) -> Transform:
         x, _, state = affine(state)
         return pytree.tree_unflatten(ls.cast_like(ls.mul(leaves, x), leaves), spec), state
 
-    return Transform(init, with_in_place(update, affine=affine))
+    return with_needs(Transform(init, with_in_place(update, affine=affine)), Needs())
 
 
 class TraceState(NamedTuple):
@@ -156,7 +157,7 @@ def trace(
         stored = lp.store_moments(new, state.trace, lp.moment_keys(state.count, rounding, state.trace))
         return pytree.tree_unflatten(out, spec), TraceState(state.count + 1, stored)
 
-    return Transform(init, update)
+    return with_needs(Transform(init, update), Needs(flat=lp.unpackable(accumulator_dtype)))
 
 
 class ScaleByAdamState(NamedTuple):
@@ -256,7 +257,9 @@ def scale_by_adam(
         _adam_apply_leafwise(*plain, beta1, beta2, 1.0 - beta1**t, 1.0 - beta2**t, eps, a, b)
         return ScaleByAdamState(state.count + 1, state.mu, state.nu)
 
-    return Transform(init, with_in_place(update, apply_=apply_))
+    return with_needs(
+        Transform(init, with_in_place(update, apply_=apply_)), Needs(flat=lp.unpackable(mu_dtype, nu_dtype))
+    )
 
 
 def _plain_moments(grads, mu, nu, params):
@@ -383,7 +386,7 @@ def scale_by_lion(
         stored = lp.store_moments(mu, state.mu, lp.moment_keys(state.count, rounding, state.mu))
         return pytree.tree_unflatten(out, spec), ScaleByLionState(state.count + 1, stored)
 
-    return Transform(init, update)
+    return with_needs(Transform(init, update), Needs(flat=lp.unpackable(mu_dtype)))
 
 
 def scale_by_trust_ratio(*, min_norm: float = 0.0, trust_coefficient: float = 1.0, eps: float = 0.0) -> Transform:
@@ -397,7 +400,6 @@ def scale_by_trust_ratio(*, min_norm: float = 0.0, trust_coefficient: float = 1.
 
     def update(grads, state, params=None, **extra):
         require_params(params, "scale_by_trust_ratio")
-        lay.whole_leaves(grads, stacks=True)  # per-leaf norms: same-shape leaves stacked
         ps_ = tr.check_match(params, grads, "params", "grads", dtype=False)
         us, spec = pytree.tree_flatten(grads)
         p_norms, u_norms = lay.leaf_norms(grads, ps_, us)  # over shards: whole leaves' norms, one collective
@@ -410,4 +412,5 @@ def scale_by_trust_ratio(*, min_norm: float = 0.0, trust_coefficient: float = 1.
         out = [u * r.to(u.dtype) for u, r in zip(us, ratios)]
         return pytree.tree_unflatten(out, spec), state
 
-    return Transform(init, update)
+    # Per-leaf norms: same-shape leaves stacked.
+    return with_needs(Transform(init, update), Needs(whole_leaves=True, reductions=("leaf_norms",)))

@@ -30,6 +30,7 @@ from ._base import (
     resolve,
     zero_count,
 )
+from .engine.needs import Needs, with_needs
 
 
 class ScheduleFreeState(NamedTuple):
@@ -123,7 +124,7 @@ def schedule_free(
         new = ScheduleFreeState(state.count + 1, beta1, weight_sum, max_lr, pytree.tree_unflatten(z, spec), base_state)
         return pytree.tree_unflatten(out, spec), new
 
-    return Transform(init, update)
+    return with_needs(Transform(init, update), Needs())
 
 
 def _states(tree: Any) -> Iterator[ScheduleFreeState]:

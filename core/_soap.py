@@ -16,7 +16,6 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import _layout as lay
 from . import _precision as lp
 from ._base import (
     Params,
@@ -33,6 +32,7 @@ from ._base import (
     resolve,
     zero_count,
 )
+from .engine.needs import Needs, with_needs
 
 
 class SOAPState(NamedTuple):
@@ -213,7 +213,6 @@ def scale_by_soap(
         return [d if d <= max_precond_dim else 0 for d in shape]
 
     def init(params: Params) -> SOAPState:
-        lay.whole_leaves(params)  # rotations and Gram matrices over whole leaves
         leaves = pytree.tree_leaves(params)
         wide = lambda p: torch.promote_types(p.dtype, torch.float32)  # noqa: E731
         mats = lambda p: tuple(torch.zeros((d, d), dtype=wide(p), device=p.device) for d in factor_dims(p))  # noqa: E731
@@ -305,7 +304,9 @@ def scale_by_soap(
         nu_out = lp.store_moments(nus, state.nu, keys, second=True)
         return unflat(outs), SOAPState(count + 1, mu_out, nu_out, unflat(ggs), unflat(qs))
 
-    return Transform(init, update)
+    # Rotations and Gram matrices over whole leaves, kept per leaf: not shaped like the params.
+    why = "SOAP keeps per-leaf preconditioners (factor matrices and eigenbases), not shaped like the params"
+    return with_needs(Transform(init, update), Needs(flat=why))
 
 
 class _SOAPDecayState(NamedTuple):
@@ -410,4 +411,4 @@ def soap(
         )
         return out, state
 
-    return Transform(inner.init, update)
+    return with_needs(Transform(inner.init, update), Needs(parts=lambda tree: [(inner, None)]))

@@ -29,6 +29,7 @@ from ._base import (
     resolve,
     zero_count,
 )
+from .engine.needs import Needs, with_needs
 
 
 class ScaleBySophiaState(NamedTuple):
@@ -99,7 +100,7 @@ def scale_by_sophia(
         )
         return pytree.tree_unflatten(out, spec), new
 
-    return Transform(init, update)
+    return with_needs(Transform(init, update), Needs())
 
 
 def gnb_hessian(

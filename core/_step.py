@@ -15,15 +15,15 @@ import torch._inductor.config as _inductor_config
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import _flat
-from . import _layout as lay
+from .engine import packed as _flat
+from .engine import ops as lay
 from . import _lists as ls
 from . import _tree as tr
 from ._base import OptState, Params, PyTree, Transform, check_int
 from ._combine import apply_in_place
-from . import _sharded
-from ._engine import Engine, explain_pure
-from ._flat_step import FlatStep, FlatUpdate
+from .engine import sharded as _sharded
+from .engine import Engine, explain_pure
+from .engine.flat import FlatStep, FlatUpdate
 
 Metrics = dict[str, Any]
 

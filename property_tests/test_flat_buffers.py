@@ -2,7 +2,8 @@
 `make_update(compile=True, donate=True)` lays out (groups by per-leaf rules, stacks of
 same-shape leaves for per-leaf math), gives the updates and states of its per-leaf run,
 step after step, over hypothesis-drawn float64 trees of several leaves. This checks the
-layout planning and the packed semantics of every transform without compiling.
+declared needs (the planner reads only those) and the packed semantics of every transform,
+without compiling.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import purestep.core as ps
-from purestep.core import _flat
+from purestep.core.engine import needs
+from purestep.core.engine import packed as _flat
 from purestep.core.testing import TOLERANCES, grad_trees, param_trees
 from tests.registry import TRANSFORMS
 
@@ -37,10 +39,10 @@ def test_packed_buffers_give_the_per_leaf_results(name, data):
                                    dtypes=(torch.float64,)), label="params")
     opt = case.make()
     if name in PER_LEAF:
-        with pytest.raises(_flat.Regroup):
-            _flat.plan(opt, params)
+        with pytest.raises(_flat.NotPacked):
+            needs.plan(opt, params)
         return
-    spec = _flat.plan(opt, params)
+    spec = needs.plan(opt, params)
     shell = _flat.Packed(spec, [])
     pack = lambda tree: _flat.pack_like(shell, tree)  # noqa: E731
     state, packed_state = opt.init(params), opt.init(pack(params))

@@ -74,30 +74,54 @@ def test_groups_follow_masks_and_per_leaf_math():
     assert all(len(v) == 1 for v in shapes.values()), f"trust ratios need same-shape stacks: {shapes}"
 
 
-def test_a_transform_with_undeclared_per_leaf_math_keeps_the_per_leaf_path():
-    from purestep.core import _flat
+def test_a_transform_that_declares_nothing_runs_leaf_by_leaf_and_says_so_before_the_first_call():
+    from purestep.core.engine import needs, packed
 
-    def normalize() -> ps.Transform:  # a user's transform: one norm per leaf
+    def normalize() -> ps.Transform:  # a user's transform: one norm per leaf, nothing declared
         return ps.Transform(lambda p: (), lambda g, s, p=None, **e: (ps.tree_map(lambda x: x / x.norm(), g), s))
 
-    with pytest.raises(_flat.Regroup, match="other results on packed buffers"):
-        _flat.plan(ps.chain(normalize(), ps.sgd(0.1)), _tree(2, 0))
-    assert len(_flat.plan(ps.chain(ps.clip_by_global_norm(1.0), ps.sgd(0.1)), _tree(2, 0)).groups) == 1
+    params = _tree(2, 0)
+    with pytest.raises(packed.NotPacked, match="declares no needs"):
+        needs.plan(ps.chain(normalize(), ps.sgd(0.1)), params)
+    opt = ps.chain(normalize(), ps.sgd(0.1))
+    update = ps.make_update(opt, compile=True, donate=True)
+    assert update.explain(params).startswith("per-leaf compiled: not on flat buffers: 'normalize' declares no needs")
+    p, state = {k: v.clone() for k, v in params.items()}, opt.init(params)
+    grads = _tree(2, 1)
+    want = {k: v - 0.1 * grads[k] / grads[k].norm() for k, v in params.items()}
+    update(p, grads, state)
+    assert_trees_close(p, want, rtol=1e-6, atol=1e-7)  # each leaf by its own norm
+    # Declared elementwise (nothing per leaf), the same transform packs into one buffer.
+    scale = ps.with_needs(ps.Transform(lambda p: (), lambda g, s, p=None, **e: (ps.tree_map(lambda x: 2 * x, g), s)), ps.Needs())
+    assert len(needs.plan(ps.chain(scale, ps.clip_by_global_norm(1.0), ps.sgd(0.1)), params).groups) == 1
+    # Declared per-leaf math: each leaf or same-shape stack a buffer of its own, and the result is right.
+    declared = ps.with_needs(normalize(), ps.Needs(whole_leaves=True, stacks=False))
+    spec = needs.plan(ps.chain(declared, ps.sgd(0.1)), params)
+    assert len(spec.groups) == len(params)
+    opt = ps.chain(declared, ps.sgd(0.1))
+    update = ps.make_update(opt, compile=True, donate=True)
+    p, state = {k: v.clone() for k, v in params.items()}, opt.init(params)
+    update(p, grads, state)
+    assert update.explain().startswith("flat"), update.explain()
+    assert_trees_close(p, want, rtol=1e-6, atol=1e-7)
 
 
-def test_planning_leaves_the_global_rng_where_it_was():
-    from purestep.core import _flat
+def test_a_declaration_that_leaves_out_a_rule_or_per_leaf_math_is_an_error_not_a_silent_mix():
+    from purestep.core.engine import needs, ops
 
-    def noisy() -> ps.Transform:  # a user's transform that draws from the global RNG
-        return ps.Transform(lambda p: (), lambda g, s, p=None, **e: (ps.tree_map(lambda x: x + torch.randn(x.shape, dtype=x.dtype), g), s))
+    def per_leaf_norms() -> ps.Transform:  # uses the protocol's leaf norms but declares elementwise
+        def update(g, s, p=None, **e):
+            norms = ops.leaf_norms(g, ps.tree_leaves(g))
+            return ps.tree_unflatten([x / n for x, n in zip(ps.tree_leaves(g), norms)], ps.tree_flatten(g)[1]), s
 
-    torch.manual_seed(7)
-    before = torch.get_rng_state()
-    try:
-        _flat.plan(ps.chain(noisy(), ps.sgd(0.1)), _tree(2, 0))
-    except _flat.Regroup:
-        pass  # whether it runs packed is not the point here
-    assert torch.equal(torch.get_rng_state(), before)
+        return ps.with_needs(ps.Transform(lambda p: (), update), ps.Needs())
+
+    params = _tree(2, 0)
+    opt = ps.chain(per_leaf_norms(), ps.sgd(0.1))
+    assert len(needs.plan(opt, params).groups) == 1  # what it declared
+    update = ps.make_update(opt, compile=True, donate=True)
+    with pytest.raises(Exception, match="needs whole leaves"):
+        update({k: v.clone() for k, v in params.items()}, _tree(2, 1), opt.init(params))
 
 
 def test_state_leaves_alias_the_buffers_and_new_state_trees_are_taken_in():
@@ -265,24 +289,21 @@ def _transformer(layers: int, seed: int) -> dict:
 
 
 def test_muon_takes_same_shape_matrices_as_one_stack():
-    from purestep.core import _flat
+    from purestep.core.engine import needs
 
     muon = ps.muon_adamw(lr=0.02, ns_dtype=torch.float64)
     for layers in (2, 6):  # the groups follow the shapes, not the matrix count
-        spec = _flat.plan(muon, _transformer(layers, 0))
+        spec = needs.plan(muon, _transformer(layers, 0))
         stacks = sorted(tuple(g.shape) for g in spec.groups if g.is_stack)
         assert stacks == [(layers, 8, 8), (layers, 8, 24), (layers, 32, 8)], stacks
         assert len(spec.groups) == 4  # the three stacks and one AdamW buffer
+
     # Per-leaf math that does not batch splits the stacks into lone matrices.
     def per_leaf() -> ps.Transform:
-        def update(g, s, p=None, **extra):
-            _flat.need_whole_leaves(g)
-            return g, s
-
-        return ps.Transform(lambda p: (), update)
+        return ps.with_needs(ps.Transform(lambda p: (), lambda g, s, p=None, **e: (g, s)), ps.Needs(whole_leaves=True, stacks=False))
 
     matrices = {k: v for k, v in _transformer(2, 0).items() if v.dim() == 2}
-    spec = _flat.plan(ps.chain(ps.scale_by_muon(ns_dtype=torch.float64), per_leaf()), matrices)
+    spec = needs.plan(ps.chain(ps.scale_by_muon(ns_dtype=torch.float64), per_leaf()), matrices)
     assert len(spec.groups) == len(matrices) and not any(g.is_stack for g in spec.groups)
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import purestep.core as ps
-from purestep.core import _sharded
+from purestep.core.engine import sharded as _sharded
 
 
 def _slice(shape: tuple[int, ...], world: int) -> _sharded._Slice:
@@ -88,7 +88,7 @@ def test_owner_computes_splits_the_matrices_over_every_rank_of_an_hsdp_mesh():
     """Owners and computing replicas from the shapes alone: with 2 replicas of 2 ranks each
     of the 4 (replica, rank) slots computes about a quarter of the Newton-Schulz work, the
     largest matrices first, and every matrix exactly once."""
-    from purestep.core._sharded import ShardInfo, _Slice
+    from purestep.core.engine.sharded import ShardInfo, _Slice
 
     shapes = [(64, 64)] * 4 + [(32, 32)] * 8 + [(16, 16)] * 3
     slices = [_Slice(torch.Size(s), (0, s[0] // 2), (s[0] // 2, s[0] - s[0] // 2), True) for s in shapes]

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import _sharded
-from . import _tree as tr
-from ._base import Params, PyTree
-from ._flat_step import FlatUpdate
+from . import sharded as _sharded
+from .. import _tree as tr
+from .._base import Params, PyTree
+from .flat import FlatUpdate
 
 
 def _tied_leaves(tree: PyTree) -> tuple[str, str] | None:
@@ -39,7 +39,7 @@ class _Path:
     run: Callable
 
 
-def explain_pure() -> str:
+def explain_pure(params: Any = None) -> str:
     """Which path runs the update or step, and why."""
     return "pure: donate=False returns new trees (differentiable, vmappable)"
 
@@ -76,7 +76,7 @@ class Engine:
             self.path, self.on_dtensors = self._choose(params, grads, on_dtensors), on_dtensors
         return self.path.run
 
-    def _choose(self, params: Params, grads: PyTree | None, on_dtensors: bool) -> _Path:
+    def _choose(self, params: Params, grads: PyTree | None, on_dtensors: bool, agree: bool = True) -> _Path:
         if grads is not None:
             tr.check_match(grads, params, "grads", "params")
         tied = _tied_leaves(params)
@@ -87,7 +87,7 @@ class Engine:
             )
         if on_dtensors:
             engine = self.sharded() if self.sharded is not None else None
-            if engine is not None and engine.plans(params):
+            if engine is not None and engine.plans(params, agree=agree):
                 how = "flat buffers over this rank's blocks" if self.compile else "this rank's blocks in place, eager"
                 return _Path("sharded", f"DTensor params: {how}; {_sharded.describe(params)}", engine)
             why = (
@@ -102,7 +102,7 @@ class Engine:
             if not _plain_leaves(params):
                 why = "leaves that are not plain dense tensors"
             elif self.flat.plans(params):
-                return _Path("flat", "compile=True, donate=True: flat buffers per group", self.flat)
+                return _Path("flat", f"compile=True, donate=True: {self.flat.plan_for(params).summary}", self.flat)
             else:
                 why = self.flat.why_not
             return _Path("per-leaf compiled", f"not on flat buffers: {why}", self.per_leaf)
@@ -110,10 +110,17 @@ class Engine:
             return _Path("per-leaf compiled", "flat=False", self.per_leaf)
         return _Path("eager in place", "donate=True without compile", self.per_leaf)
 
-    def explain(self) -> str:
+    def explain(self, params: Params | None = None) -> str:
         """Which path runs the update or step, and why: "flat", "sharded", "per-leaf compiled",
-        "eager in place" or "per-leaf DTensor" ("pure" without `donate`)."""
-        return f"{self.path.name}: {self.path.why}" if self.path else "not chosen yet: the first call chooses"
+        "eager in place" or "per-leaf DTensor" ("pure" without `donate`). Before the first
+        call, given the params, the path the first call would take (read from the
+        transform's declarations: nothing runs, nothing is bound, no collective)."""
+        if self.path is not None:
+            return f"{self.path.name}: {self.path.why}"
+        if params is None:
+            return "not chosen yet: the first call chooses (explain(params) says which it would)"
+        path = self._choose(params, None, _sharded.has_dtensors(params), agree=False)
+        return f"{path.name}: {path.why}"
 
     def layout(self) -> dict[str, list[str]] | None:
         """The flat buffers in use: `{buffer: [leaf paths]}`, or None on a per-leaf path."""

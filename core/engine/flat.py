@@ -1,4 +1,4 @@
-"""Running a compiled, donated update over flat buffers (the layout is planned in `_flat`).
+"""Running a compiled, donated update over flat buffers (`packed`; planned by `needs`).
 
 `FlatUpdate` (make_update) and `FlatStep` (make_step) plan a layout once, allocate one
 buffer per group for params, grads and every state entry, re-point the user's tensors
@@ -18,8 +18,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import _tree as tr
-from ._flat import Packed, Regroup, is_packed, plan
+from .. import _tree as tr
+from .needs import plan
+from .packed import NotPacked, Packed, check_viewable, is_packed
 
 
 def repoint_(user: Tensor, view: Tensor, what: str) -> None:
@@ -139,14 +140,15 @@ class FlatUpdate:
         return False
 
     # -- binding -------------------------------------------------------------
-    def plans(self, params: Any) -> bool:
-        """Whether the transform runs on packed buffers for these params (`why_not` if not)."""
+    def plans(self, params: Any, agree: bool = True) -> bool:
+        """Whether the transform runs on packed buffers for these params (`why_not` if not);
+        `agree` matters over shards only (the ranks' answers in one collective)."""
         try:
             self.plan_for(params)
             self.why_not = None
             return True
-        except Regroup as e:
-            self.why_not = e.reason or "no stable grouping"
+        except NotPacked as e:
+            self.why_not = e.reason
             return False
 
     def _bind(self, params: Any, opt_state: Any, ema_state: Any) -> None:
@@ -164,6 +166,7 @@ class FlatUpdate:
         with torch.no_grad():
             packed_state = self.transform.init(packed_params)
             packed_ema = self.averaging[0](packed_params) if self.averaging is not None else None
+        check_viewable(packed_state, packed_params)
         bind_tree(opt_state, packed_state, "opt_state")
         if self.averaging is not None:
             bind_tree(ema_state, packed_ema, "ema_state")

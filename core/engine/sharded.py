@@ -3,9 +3,9 @@
 FSDP2 params (and grads, and any state built from them) are `DTensor`s sharded on dim 0:
 each rank holds a contiguous block of rows of every leaf, `Tensor`-typed, in
 `DTensor._local_tensor`. Elementwise math does not care that a block is not the whole
-leaf, so `ShardedUpdate` lays the local blocks out in flat buffers exactly as `_flat` does
+leaf, so `ShardedUpdate` lays the local blocks out in flat buffers exactly as `flat` does
 in one process and runs the compiled step there: one kernel per group, no DTensor
-dispatch. What is not elementwise goes through `_layout`, which this module's `ShardInfo`
+dispatch. What is not elementwise goes through `ops`, which this module's `ShardInfo`
 serves:
 
 - reductions over the tree (the grad norm, `apply_if_finite`'s count, per-leaf norms) are
@@ -37,9 +37,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import _tree as tr
-from ._flat import Packed, PackSpec, Regroup, plan
-from ._flat_step import FlatUpdate, aliases
+from .. import _tree as tr
+from .needs import plan
+from .packed import NotPacked, Packed, PackSpec
+from .flat import FlatUpdate, aliases
 
 
 _DTENSOR: list = []  # DTensor's class, looked up once (None without torch.distributed)
@@ -130,7 +131,7 @@ def _slice_of(path: str, x: Any, world: int, rank: int) -> _Slice:
 
 class ShardInfo:
     """How the leaves of a packed tree are spread over the ranks of one process group, and
-    the collectives `_layout` runs over it. Off (`active=False`) while a layout is planned:
+    the collectives `ops` runs over it. Off (`active=False`) while a layout is planned:
     the dry runs on stand-ins then reduce locally and communicate nothing."""
 
     def __init__(
@@ -157,7 +158,7 @@ class ShardInfo:
         return [self._weight(g.members[0].index) for g in spec.groups]
 
     def member_weights(self, spec: PackSpec, dtype: torch.dtype, device: Any) -> Tensor:
-        """`group_weights` per member, in the order `_layout.leaf_norms` lays them out."""
+        """`group_weights` per member, in the order `ops.leaf_norms` lays them out."""
         return torch.tensor(
             [self._weight(m.index) for g in spec.groups for m in (g.members if g.is_stack else g.members[:1])],
             dtype=dtype,
@@ -207,7 +208,7 @@ class ShardInfo:
         return self._owners[indices]
 
     def map_matrices(self, spec: PackSpec, fn: Callable, xs: list[Tensor], batch: list[int]) -> list[Tensor]:
-        """`_layout.map_matrices` over shards: owner-computes (see the module docstring);
+        """`ops.map_matrices` over shards: owner-computes (see the module docstring);
         `batch`: the leading batch dims of each group's leaves."""
         blocks: dict[int, Tensor] = {}  # leaf index -> this rank's block
         lead: dict[int, int] = {}  # leaf index -> its batch dims (stacks are unbound here)
@@ -410,13 +411,14 @@ class ShardedUpdate(FlatUpdate):
         return True  # FSDP2 accumulates into `grad._local_tensor`: let it write the buffer
 
     # -- planning -------------------------------------------------------------------
-    def plans(self, params: Any) -> bool:
-        """Whether every rank can run the sharded path (the ranks must agree, `_agree`)."""
+    def plans(self, params: Any, agree: bool = True) -> bool:
+        """Whether every rank can run the sharded path (the ranks must agree, `_agree`;
+        `agree=False`: this rank's answer, no collective)."""
         try:
             ok = super().plans(params)
         except ValueError as e:  # a placement or mesh the sharded path does not take
             self.why_not, ok = str(e), False
-        return _agree(ok, params, self)
+        return _agree(ok, params, self) if agree else ok if agree else ok
 
     def plan_layout(self, params: Any) -> Any:
         info = shard_info(params)
@@ -443,7 +445,7 @@ class ShardedEager:
     the copies and temporaries of large buffers, so here the "buffers" are the user's own
     local blocks, in place, with no binding and no storage moved: the transform runs through
     its in-place forms (`eager(params, grads, state, ema)`) on a packed tree of one leaf per
-    group, which gives `_layout` the shard description (reductions across ranks,
+    group, which gives `ops` the shard description (reductions across ranks,
     owner-computes)."""
 
     def __init__(self, transform: Any, eager: Callable, averaging: Any) -> None:
@@ -466,12 +468,12 @@ class ShardedEager:
             self._planned = (key, pack, state_spec, ema_spec)
         return self._planned[1:]
 
-    def plans(self, params: Any) -> bool:
+    def plans(self, params: Any, agree: bool = True) -> bool:
         try:
             self._plan(params)
             ok = True
-        except Regroup as e:
-            self.why_not, ok = e.reason or "no stable grouping", False
+        except NotPacked as e:
+            self.why_not, ok = e.reason, False
         except ValueError as e:  # a placement or mesh the sharded path does not take
             self.why_not, ok = str(e), False
         return _agree(ok, params, self)

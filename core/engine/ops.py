@@ -1,15 +1,18 @@
-"""What a transform may ask of the tree it is given, whatever path runs it.
+"""What a transform calls on the tree it is given, whatever path runs it.
 
 A transform sees one of three kinds of trees: the user's leaves (the per-leaf paths),
-a `Packed` tree of flat buffers (one process, `_flat`), or a `Packed` tree over this
-rank's FSDP2 shards (`_sharded`). Math that is not elementwise says what it needs here
-and never looks at the layout itself:
+a `Packed` tree of flat buffers (one process), or a `Packed` tree over this rank's FSDP2
+shards (`sharded`). What it needs is declared once (`needs.Needs`); math that is not
+elementwise then calls these and never looks at the layout itself:
 
-- `whole_leaves(tree)`: its math is per leaf (a norm, a matrix function), so a flat
-  buffer must hold one leaf or a (k, *shape) stack of same-shape leaves (`stacked`);
-- `global_norm`, `all_finite`, `leaf_norms`: reductions over the tree, computed on what
-  this process holds and then, over shards, summed across ranks: one batched collective
-  per call, whatever the number of tensors;
+- `per_leaf(tree, rule, fn)`: a per-leaf rule's values, one per leaf the transform sees
+  (one per buffer on a packed tree: the planner kept leaves that differ apart);
+  `select(tree, keep)`: the leaves kept, as `{path: leaf}` (what `masked` hands on);
+- `stacked`, `global_shapes`: per leaf, whether it is a (k, *shape) stack and the whole
+  leaf's shape (declared `whole_leaves`);
+- `global_norm`, `all_finite`, `global_sums`, `leaf_norms`, `leaf_sums`: reductions over
+  the tree, computed on what this process holds and then, over shards, summed across
+  ranks: one batched collective per call, whatever the number of tensors;
 - `map_matrices(tree, fn, xs)`: `fn` on whole matrices. Over shards, each matrix is
   assembled on one owner rank (all-to-all), `fn` runs there once, and each rank gets its
   rows of the result back.
@@ -25,8 +28,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import _flat
-from . import _lists as ls
+from . import packed as _flat
+from .. import _lists as ls
+from .. import _tree as tr
 
 
 def _shard(tree: Any) -> Any:
@@ -36,22 +40,27 @@ def _shard(tree: Any) -> Any:
     return shard if shard is not None and shard.active else None
 
 
+def per_leaf(tree: Any, rule: Any) -> list[Any]:
+    """The values of a per-leaf `rule` (`needs.Rule`: a mask, labels, multipliers, which its
+    transform declared in `Needs.rules`), one per leaf of `tree`: `rule.values(tree)` on a
+    plain tree; on a packed one, one value per buffer, as the planner read them."""
+    if _flat.is_packed(tree):
+        return _flat.rule_per_group(tree, rule)
+    return list(rule.values(tree))
+
+
 def is_packed(tree: Any) -> bool:
-    """Whether `tree` is a tree of flat buffers (one process or shards), each standing for several leaves."""
+    """Whether `tree` is a tree of flat buffers (one process or shards): for the engine's
+    own code, such as the step's metrics; a transform never needs to ask."""
     return _flat.is_packed(tree)
 
 
-def rule_per_group(tree: Any, rule: Any, per_leaf: Callable[[Any], list[Any]]) -> list[Any]:
-    """A per-leaf rule (mask, labels, multipliers) read on a packed tree: one value per
-    buffer, `per_leaf(leaves as meta tensors, whole shapes)` giving them leaf by leaf; a
-    buffer whose leaves disagree is split by the planner."""
-    return _flat.rule_per_group(tree, rule, per_leaf)
-
-
-def per_leaf_only(reason: str) -> Exception:
-    """The error a transform raises (while a layout is planned) when it cannot run on
-    flat buffers at all: the engine keeps the per-leaf path and says `reason`."""
-    return _flat.Regroup.unsupported(reason)
+def select(tree: Any, keep: Sequence[bool]) -> Any:
+    """The leaves of `tree` where `keep` is True, as `{path: leaf}` (packed: its buffers)."""
+    if _flat.is_packed(tree):
+        return tree.select(keep)
+    pairs, _ = tr.tree_flatten_with_path(tree)
+    return {p: x for (p, x), k in zip(pairs, keep) if k}
 
 
 def is_sharded(tree: Any) -> bool:
@@ -59,19 +68,9 @@ def is_sharded(tree: Any) -> bool:
     return getattr(getattr(tree, "pack_spec", None), "shard", None) is not None
 
 
-def whole_leaves(tree: Any, *, stacks: bool = True, sharded: bool = True) -> None:
-    """Declare per-leaf math on `tree`'s leaves: under flat buffers each leaf the
-    transform sees is one leaf or, with `stacks`, a (k, *shape) stack of same-shape leaves
-    (math batched over dim 0). `sharded=False`: the math cannot run on shards through this
-    module's reductions, so a sharded step runs the transform on whole DTensors instead."""
-    spec = getattr(tree, "pack_spec", None)
-    if spec is not None and spec.shard is not None and not sharded:
-        raise _flat.Regroup.unsupported("a transform with per-leaf math that is not written for shards")
-    _flat.need_whole_leaves(tree, stacks=stacks)
-
-
 def stacked(tree: Any) -> list[bool]:
     """Per leaf of `tree`: whether it is a (k, *shape) stack of k same-shape leaves."""
+    _flat.check_whole_leaves(tree, "stacked")
     return _flat.stacked_leaves(tree)
 
 
@@ -81,6 +80,7 @@ def global_shapes(tree: Any) -> list[torch.Size]:
     spec = getattr(tree, "pack_spec", None)
     if spec is None:
         return [x.shape for x in pytree.tree_leaves(tree)]
+    _flat.check_whole_leaves(tree, "global_shapes")
     # Whole shapes over active shards; the leaves' own while a layout is planned on stand-ins.
     full = spec.shard.full_shape if _shard(tree) is not None else (lambda m: m.shape)
     return [full(g.members[0]) if (len(g.members) == 1 or g.is_stack) else torch.Size([g.numel]) for g in spec.groups]

@@ -100,8 +100,8 @@ from ._laprop import laprop as laprop
 from ._laprop import scale_by_laprop as scale_by_laprop
 from ._adamc import AdamcState as AdamcState
 from ._adamc import adamc as adamc
-from ._step import functional_ensemble as functional_ensemble
-from ._step import functional_model as functional_model
+from ._functional import functional_ensemble as functional_ensemble
+from ._functional import functional_model as functional_model
 from ._step import make_step as make_step
 from ._step import make_update as make_update
 from ._schedules import constant_schedule as constant_schedule

@@ -1,18 +1,26 @@
-"""The step engine: which execution path runs a donated update or step (core/README.md maps them)."""
+"""The step engine: which execution path runs a donated update or step (core/README.md
+maps the paths to this package's files), and the pieces they share: what a transform
+declares it needs (`needs`), the packed trees (`packed`), what a transform may call on any
+layout (`ops`), the one way new values reach the user's tensors (`donate`), how the paths
+compile (`compiling`) and the DTensor helpers (`dtensor`)."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import sharded as _sharded
 from .. import _tree as tr
 from .._base import Params, PyTree
-from .flat import FlatUpdate
+from . import sharded as _sharded
+from .compiling import compile_per_leaf
+from .dtensor import has_dtensors
+from .flat import FlatStep, FlatUpdate
+from .per_leaf import PerLeaf
+from .sharded import ShardedEager, ShardedUpdate
 
 
 def _tied_leaves(tree: PyTree) -> tuple[str, str] | None:
@@ -36,7 +44,7 @@ def _plain_leaves(tree: PyTree) -> bool:
 class _Path:
     name: str  # "flat", "sharded", "per-leaf compiled", "eager in place", "per-leaf DTensor"
     why: str
-    run: Callable
+    run: Runner
 
 
 def explain_pure(params: Any = None) -> str:
@@ -44,34 +52,61 @@ def explain_pure(params: Any = None) -> str:
     return "pure: donate=False returns new trees (differentiable, vmappable)"
 
 
+class Runner(Protocol):
+    """One execution path (a file of this package): says whether it takes these params
+    (`why_not` when not), runs, and shows its buffers."""
+
+    why_not: str | None
+
+    def plans(self, params: Any, agree: bool = True) -> bool: ...
+
+    def layout(self) -> dict[str, list[str]] | None: ...
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
 class Engine:
     """The execution paths of a donated update (or step) and the choice among them, made
     on the first call and again when the kind of leaves changes (see core/README.md):
 
-    - "sharded": DTensor (FSDP2) params, flat buffers over this rank's shards (`_sharded`);
-    - "flat": `compile=True`, plain dense leaves, flat buffers per group (`_flat_step`);
+    - "sharded": DTensor (FSDP2/HSDP) params, this rank's blocks: flat buffers compiled
+      (`sharded.ShardedUpdate`) or in place eager (`sharded.ShardedEager`);
+    - "flat": `compile=True`, plain dense leaves, flat buffers per group (`flat`);
     - "per-leaf compiled" / "eager in place": the update leaf by leaf, compiled or eager
       (where a transform or the leaves cannot run on flat buffers: `explain()` says why);
     - "per-leaf DTensor": DTensor params the sharded path cannot take, eager, whole DTensors.
+
+    `program` is the data the paths run: make_update's `UpdateProgram` (kind "update") or
+    make_step's `StepProgram` ("step"), each with `pure`, `in_place` and `eager` forms.
+    Each path's runner is made once, when first needed.
     """
 
-    def __init__(
-        self,
-        *,
-        flat: FlatUpdate | None,
-        sharded: Callable[[], FlatUpdate] | None,
-        per_leaf: Callable,
-        per_leaf_dtensor: Callable,
-        compile: bool,
-        flat_asked: bool,
-    ) -> None:
-        self.flat, self.sharded, self.per_leaf, self.per_leaf_dtensor = flat, sharded, per_leaf, per_leaf_dtensor
-        self.compile, self.flat_asked = compile, flat_asked
+    def __init__(self, program: Any, *, compile: bool, flat: bool) -> None:
+        self.program, self.compile, self.flat_asked = program, compile, flat
         self.path: _Path | None = None
         self.on_dtensors: bool | None = None
+        self._runners: dict[str, Runner] = {}
+
+    def _runner(self, name: str) -> Runner:
+        if name not in self._runners:
+            p = self.program
+            make: dict[str, Callable[[], Runner]] = {
+                "flat": lambda: FlatUpdate(p) if p.kind == "update" else FlatStep(p),
+                "sharded": lambda: ShardedUpdate(p) if self.compile else ShardedEager(p),
+                "per-leaf compiled": lambda: PerLeaf(compile_per_leaf(p.in_place)),
+                "eager in place": lambda: PerLeaf(p.eager),
+                # eager: dynamo does not trace copies into DTensors (a step program's own form)
+                "per-leaf DTensor": lambda: PerLeaf(
+                    p.in_place
+                    if p.kind == "update"
+                    else self._runner("per-leaf compiled" if self.compile else "eager in place")
+                ),
+            }
+            self._runners[name] = make[name]()
+        return self._runners[name]
 
     def path_for(self, params: Params, grads: PyTree | None = None) -> Callable:
-        on_dtensors = _sharded.has_dtensors(params)
+        on_dtensors = has_dtensors(params)
         if self.path is None or on_dtensors != self.on_dtensors:
             self.path, self.on_dtensors = self._choose(params, grads, on_dtensors), on_dtensors
         return self.path.run
@@ -86,29 +121,33 @@ class Engine:
                 "apply both leaves' updates to it. Pass a shared (tied) param once, as model.named_parameters() does"
             )
         if on_dtensors:
-            engine = self.sharded() if self.sharded is not None else None
-            if engine is not None and engine.plans(params, agree=agree):
-                how = "flat buffers over this rank's blocks" if self.compile else "this rank's blocks in place, eager"
-                return _Path("sharded", f"DTensor params: {how}; {_sharded.describe(params)}", engine)
-            why = (
-                "flat=False"
-                if self.flat_asked is False
-                else "no sharded path here"
-                if engine is None
-                else engine.why_not
-            )
-            return _Path("per-leaf DTensor", f"{why}; eager, on whole DTensors", self.per_leaf_dtensor)
-        if self.flat is not None:
+            # FSDP2 computes grads in its own forward/backward: a step program has no sharded path.
+            if not self.flat_asked:
+                why = "flat=False"
+            elif self.program.kind != "update":
+                why = "no sharded path here"
+            else:
+                runner = self._runner("sharded")
+                if runner.plans(params, agree=agree):
+                    how = (
+                        "flat buffers over this rank's blocks" if self.compile else "this rank's blocks in place, eager"
+                    )
+                    return _Path("sharded", f"DTensor params: {how}; {_sharded.describe(params)}", runner)
+                why = runner.why_not or "the sharded path cannot take these params"
+            return _Path("per-leaf DTensor", f"{why}; eager, on whole DTensors", self._runner("per-leaf DTensor"))
+        if self.compile and self.flat_asked:
             if not _plain_leaves(params):
                 why = "leaves that are not plain dense tensors"
-            elif self.flat.plans(params):
-                return _Path("flat", f"compile=True, donate=True: {self.flat.plan_for(params).summary}", self.flat)
             else:
-                why = self.flat.why_not
-            return _Path("per-leaf compiled", f"not on flat buffers: {why}", self.per_leaf)
+                flat = self._runner("flat")
+                if flat.plans(params):
+                    summary = flat.plan_for(params).summary  # type: ignore[attr-defined]  # a FlatUpdate
+                    return _Path("flat", f"compile=True, donate=True: {summary}", flat)
+                why = flat.why_not or "no flat layout"
+            return _Path("per-leaf compiled", f"not on flat buffers: {why}", self._runner("per-leaf compiled"))
         if self.compile:
-            return _Path("per-leaf compiled", "flat=False", self.per_leaf)
-        return _Path("eager in place", "donate=True without compile", self.per_leaf)
+            return _Path("per-leaf compiled", "flat=False", self._runner("per-leaf compiled"))
+        return _Path("eager in place", "donate=True without compile", self._runner("eager in place"))
 
     def explain(self, params: Params | None = None) -> str:
         """Which path runs the update or step, and why: "flat", "sharded", "per-leaf compiled",
@@ -119,7 +158,7 @@ class Engine:
             return f"{self.path.name}: {self.path.why}"
         if params is None:
             return "not chosen yet: the first call chooses (explain(params) says which it would)"
-        path = self._choose(params, None, _sharded.has_dtensors(params), agree=False)
+        path = self._choose(params, None, has_dtensors(params), agree=False)
         return f"{path.name}: {path.why}"
 
     def layout(self) -> dict[str, list[str]] | None:

@@ -11,7 +11,6 @@ makes the next call plan and bind anew.
 from __future__ import annotations
 
 import dataclasses
-import types
 from typing import Any, Callable
 
 import torch
@@ -19,46 +18,10 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from .. import _tree as tr
+from .compiling import compile_own
+from .donate import bind_tree, repoint_, write_back
 from .needs import plan
-from .packed import NotPacked, Packed, check_viewable, is_packed
-
-
-def repoint_(user: Tensor, view: Tensor, what: str) -> None:
-    """Copy `user`'s values into `view`, then make `user` a view of the same memory."""
-    if user.shape != view.shape or user.dtype != view.dtype or user.device != view.device:
-        raise ValueError(
-            f"{what}: expected {tuple(view.shape)} {view.dtype} on {view.device}, got "
-            f"{tuple(user.shape)} {user.dtype} on {user.device}"
-        )
-    if aliases(user, view):
-        return
-    with torch.no_grad():
-        view.copy_(user)
-        user.set_(view)  # type: ignore[call-overload]  # (torch's stubs list set_ by storage only)
-        source = getattr(user, "_purestep_source", None)  # functional_model's detached alias of a Parameter
-        if isinstance(source, Tensor) and source.shape == view.shape:
-            source.set_(view)  # type: ignore[call-overload]
-
-
-def aliases(a: Tensor, b: Tensor) -> bool:
-    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
-
-
-def bind_tree(user_tree: Any, packed_tree: Any, what: str) -> None:
-    """Point every tensor of `user_tree` into the matching memory of `packed_tree`."""
-    unpacked = pytree.tree_map(lambda x: x.unpack() if is_packed(x) else x, packed_tree, is_leaf=is_packed)
-    mine, spec = tr.tree_flatten_with_path(unpacked)
-    theirs, user_spec = tr.tree_flatten_with_path(user_tree)
-    if spec != user_spec:
-        raise ValueError(
-            f"{what} is not structured like the optimizer's state for these params "
-            f"(was it built by this optimizer's init?)"
-        )
-    for (path, view), (_, user) in zip(mine, theirs):
-        if isinstance(view, Tensor):
-            if not isinstance(user, Tensor):
-                raise ValueError(f"{what} leaf '{path}' is {type(user).__name__}, expected a tensor")
-            repoint_(user, view, f"{what} leaf '{path}'")
+from .packed import NotPacked, Packed, check_viewable
 
 
 @dataclasses.dataclass
@@ -87,14 +50,14 @@ class FlatUpdate:
     """A compiled, donated update over packed buffers (see the module docstring).
 
     `__call__(params, grads, opt_state[, ema_state])` updates the user's trees in place.
-    Built by `make_update` when `compile=True, donate=True`; `pure` is the update as a
-    pure function of trees, `averaging` an optional `(init, update)` pair."""
+    `program` is make_update's (`UpdateProgram`): its `pure` form, the update as a pure
+    function of trees, is what runs compiled over the buffers."""
 
     grads_in = True  # grads come from the caller (make_step computes its own)
 
-    def __init__(self, transform: Any, pure: Callable, averaging: Any, options: dict, *, metrics: bool = False) -> None:
-        self.transform, self.pure, self.averaging, self.options = transform, pure, averaging, options
-        self.metrics = metrics  # `pure` returns its metrics last; the step hands them back
+    def __init__(self, program: Any) -> None:
+        self.transform, self.pure, self.averaging = program.transform, program.pure, program.averaging
+        self.metrics = program.metrics  # `pure` returns its metrics last; the step hands them back
         self.bound: _Bound | None = None
         self.why_not: str | None = None  # why the last `plans` said no
         self._planned: tuple[list[int], Any] | None = None
@@ -197,10 +160,10 @@ class FlatUpdate:
             trees = [pytree.tree_unflatten(x, sp) for x, sp in zip((p, g, s, e), specs)]
             out = pure(trees[0], trees[1], trees[2], trees[3] if averaging is not None else None, amp)
             for dst, src in zip((p, s) + ((e,) if averaging is not None else ()), out):
-                _write_back(dst, src)
+                write_back(dst, src)
             return out[-1] if metrics else None
 
-        return _compile_own(step, self.options.get(device.type, {}))
+        return compile_own(step, device)
 
     def _grads_in(self, grads: Any) -> None:
         b = self._bound()
@@ -252,26 +215,6 @@ class FlatUpdate:
             b.ema = ema_state
 
 
-def _write_back(dst: Any, src: Any) -> None:
-    """Inside a compiled step: the new leaves of `src` into the buffers of `dst` (inductor
-    turns these copies into stores of the fused kernel)."""
-    pairs = [
-        (d, n) for d, n in zip(pytree.tree_leaves(dst), pytree.tree_leaves(src)) if isinstance(d, Tensor) and d is not n
-    ]
-    # 0-d leaves (step counts, norms) by themselves: in one foreach copy with the buffers,
-    # inductor (2.13) scheduled a count's store ahead of a later kernel that read the old count.
-    for group in ([x for x in pairs if x[0].dim()], [x for x in pairs if not x[0].dim()]):
-        if group:
-            torch._foreach_copy_([d for d, _ in group], [n for _, n in group])
-
-
-def _compile_own(fn: Callable, options: dict) -> Callable:
-    # Dynamo keeps compiled graphs per code object (8 at most): each step is its own
-    # program, so it gets its own code object rather than evicting the others'.
-    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    return torch.compile(own, fullgraph=True, options=options)
-
-
 def _run(b: _Bound, args: list) -> Any:
     """Call the compiled step; on CUDA, from the second call on, as one CUDA-graph replay
     (every input lives at a fixed address: the buffers, and make_step's batch copies)."""
@@ -307,10 +250,10 @@ class FlatStep(FlatUpdate):
             params, state = pytree.tree_unflatten(p, p_spec), pytree.tree_unflatten(s, s_spec)
             new_params, new_state, metrics, new_buffers = pure(params, state, batch, buffers, with_buffers)
             for dst, src in ((p, new_params), (s, new_state)) + (((buffers, new_buffers),) if with_buffers else ()):
-                _write_back(dst, src)
+                write_back(dst, src)
             return metrics
 
-        return _compile_own(step, self.options.get(device.type, {}))
+        return compile_own(step, device)
 
     def __call__(  # type: ignore[override]  # make_step's step: (params, state, batch[, buffers])
         self, params: Any, opt_state: Any, batch: Any, buffers: Any = None, with_buffers: bool = False

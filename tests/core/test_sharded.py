@@ -13,19 +13,19 @@ import torch
 import torch.distributed as dist
 
 import purestep.core as ps
-from purestep.core.engine import sharded as _sharded
+from purestep.core.engine import mesh
 
 
-def _slice(shape: tuple[int, ...], world: int) -> _sharded._Slice:
+def _slice(shape: tuple[int, ...], world: int) -> mesh._Slice:
     rows = shape[0]
     chunk = -(-rows // world)
     starts = tuple(min(r * chunk, rows) for r in range(world))
-    return _sharded._Slice(torch.Size(shape), starts, tuple(min(chunk, rows - s) for s in starts), True)
+    return mesh._Slice(torch.Size(shape), starts, tuple(min(chunk, rows - s) for s in starts), True)
 
 
 def test_owners_balance_newton_schulz_cost_and_agree_on_every_rank():
     shapes = [(512, 512)] * 3 + [(64, 512)] * 6 + [(512, 2048), (8, 8)]
-    infos = [_sharded.ShardInfo(None, 4, r, [_slice(s, 4) for s in shapes]) for r in range(4)]
+    infos = [mesh.ShardInfo(None, 4, r, [_slice(s, 4) for s in shapes]) for r in range(4)]
     owners = [info.owners(tuple(range(len(shapes)))) for info in infos]
     assert all(o == owners[0] for o in owners)  # recomputed from the shapes alone, the same everywhere
     cost = lambda s: s[0] * s[1] * min(s)  # noqa: E731
@@ -88,7 +88,7 @@ def test_owner_computes_splits_the_matrices_over_every_rank_of_an_hsdp_mesh():
     """Owners and computing replicas from the shapes alone: with 2 replicas of 2 ranks each
     of the 4 (replica, rank) slots computes about a quarter of the Newton-Schulz work, the
     largest matrices first, and every matrix exactly once."""
-    from purestep.core.engine.sharded import ShardInfo, _Slice
+    from purestep.core.engine.mesh import ShardInfo, _Slice
 
     shapes = [(64, 64)] * 4 + [(32, 32)] * 8 + [(16, 16)] * 3
     slices = [_Slice(torch.Size(s), (0, s[0] // 2), (s[0] // 2, s[0] - s[0] // 2), True) for s in shapes]

@@ -1,0 +1,57 @@
+"""DTensor helpers, the one set core and api share: tell DTensors apart, take this rank's
+block, gather whole tensors. Importing this never imports torch.distributed.tensor where
+torch.distributed is missing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+
+_DTENSOR: list = []  # DTensor's class, looked up once (None without torch.distributed)
+
+
+def _dtensor_type() -> Any:
+    if not _DTENSOR:
+        if torch.distributed.is_available():
+            from torch.distributed.tensor import DTensor
+
+            _DTENSOR.append(DTensor)
+        else:
+            _DTENSOR.append(None)
+    return _DTENSOR[0]
+
+
+def is_dtensor(x: Any) -> bool:
+    """Whether `x` is a `torch.distributed.tensor.DTensor` (False without torch.distributed)."""
+    cls = _dtensor_type()
+    return cls is not None and isinstance(x, cls)
+
+
+def has_dtensors(tree: Any) -> bool:
+    """Whether any leaf of `tree` is a DTensor."""
+    cls = _dtensor_type()
+    if cls is None:
+        return False
+    leaves = list(tree.values()) if type(tree) is dict else []  # a flat dict of tensors: no flatten
+    if not leaves or not all(isinstance(x, Tensor) for x in leaves):
+        leaves = pytree.tree_leaves(tree)
+    return any(isinstance(x, cls) for x in leaves)
+
+
+def local(x: Any) -> Any:
+    """This rank's block of a DTensor (the tensor object FSDP2 keeps), else `x`."""
+    return x._local_tensor if is_dtensor(x) else x
+
+
+def local_tree(tree: Any) -> Any:
+    """Every DTensor leaf of `tree` as this rank's block."""
+    return pytree.tree_map(local, tree)
+
+
+def full_tree(tree: Any) -> Any:
+    """Every DTensor leaf gathered into a whole plain tensor (a collective: call on every rank)."""
+    return pytree.tree_map(lambda t: t.full_tensor() if is_dtensor(t) else t, tree)

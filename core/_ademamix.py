@@ -8,6 +8,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from . import _adam as adam
 from . import _lists as ls
 from . import _precision as lp
 from ._base import (
@@ -92,19 +93,12 @@ def scale_by_ademamix(
         m2 = lp.load_moments(grads, state.m2)[2]
         nu = lp.load_moments(grads, state.nu, second=True)[2]
         spec = pytree.tree_structure(grads)
-        # Bias corrections: 0-d float64, once per step.
-        t = (state.count + 1).to(torch.float64)
-        bc1, bc2 = 1.0 - beta1**t, 1.0 - beta2**t
-        m1 = ls.cast_like(ls.ema(m1, wide, beta1), wide)
+        bc1, bc2 = adam.bias_corrections(state.count, beta1, beta2)
+        m1, nu = adam.moments(m1, nu, wide, beta1, beta2)  # Adam's moments, and a slow momentum beside m₁
         m2 = ls.cast_like(ls.ema(m2, wide, beta3), wide)
-        nu = ls.cast_like(ls.ema_sq(nu, wide, beta2), wide)
         # u = (m₁ / bc1 + α·m₂) / (√(ν / bc2 + eps_root) + eps)
-        denom = ls.mul(nu, 1.0 / bc2)
-        if isinstance(eps_root, Tensor) or eps_root:  # injected: a 0-d tensor, added whatever its value
-            denom = ls.add_scalar_(denom, eps_root)
-        denom = ls.add_scalar_(ls.sqrt_(denom), eps)
         numer = ls.lincomb(1.0 / bc1, m1, a, m2)
-        out = ls.cast_like(ls.div_into_(numer, denom), gs)
+        out = ls.cast_like(ls.div_into_(numer, adam.denominator(nu, bc2, eps, eps_root)), gs)
         keys = lp.moment_keys(state.count, rounding, state.m1, state.m2, state.nu)
         slow = (
             None if keys is None else [lp.leaf_seed(lp.leaf_key(state.count, i, _SLOW_SALT)) for i in range(len(keys))]

@@ -9,6 +9,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from .engine import ops as lay
+from . import _adam as adam
 from . import _lists as ls
 from . import _precision as lp
 from ._base import (
@@ -20,7 +21,6 @@ from ._base import (
     check_nonnegative,
     check_positive,
     leaf_device,
-    once,
     resolve,
     zero_count,
 )
@@ -73,17 +73,13 @@ def scale_by_mars(
         nu = lp.load_moments(grads, state.nu, second=True)[2]
         last = [x.to(w.dtype) for x, w in zip(pytree.tree_leaves(state.last_grad), wide)]
         spec = pytree.tree_structure(grads)
-        t = (state.count + 1).to(torch.float64)
-        bc1, bc2 = once(1.0 - beta1**t), once(1.0 - beta2**t)
+        bc1, bc2 = adam.bias_corrections(state.count, beta1, beta2)
         # c = g + γ·β₁/(1-β₁)·(g - g_prev), then c / max(‖c‖, 1) per leaf
         cs = ls.axpy(resolve(gamma, state.count) * beta1 / (1.0 - beta1), ls.sub(wide, last), wide)
         norms = lay.leaf_norms(grads, cs)  # over shards: whole leaves' norms, one collective
         cs = [c / torch.clamp(n, min=1.0).to(c.dtype) for c, n in zip(cs, norms)]
-        mu = ls.cast_like(ls.ema(mu, cs, beta1), wide)
-        nu = ls.cast_like(ls.ema_sq(nu, cs, beta2), wide)
-        # u = (m / bc1) / (√(v / bc2) + eps)
-        denom = ls.add_scalar_(ls.sqrt_(ls.mul(nu, 1.0 / bc2)), eps)
-        out = ls.cast_like(ls.mul_(ls.div_into_(mu, denom), 1.0 / bc1), gs)
+        mu, nu = adam.moments(mu, nu, cs, beta1, beta2)  # Adam's moments and direction, on c
+        out = ls.cast_like(adam.direction(mu, nu, bc1, bc2, eps), gs)
         keys = lp.moment_keys(state.count, rounding, state.mu, state.nu)
         new_state = ScaleByMarsState(
             state.count + 1,

@@ -13,12 +13,12 @@ from torch import Tensor
 
 from .engine import ops as lay
 from . import _precision as lp
+from . import _adam as adam
 from . import _lists as ls
 from . import _tree as tr
 from ._base import (
     require_params,
     EmptyState,
-    once,
     Params,
     ScalarOrSchedule,
     Transform,
@@ -216,22 +216,19 @@ def scale_by_adam(
 
     def update(grads, state, params=None, **extra):
         beta1, beta2 = resolve(b1, state.count), resolve(b2, state.count)
-        # Bias corrections: 0-d float64, computed once per step, not per element.
-        t = (state.count + 1).to(torch.float64)
-        bc1 = once(1.0 - beta1**t)
-        bc2 = once(1.0 - beta2**t)
+        bc1, bc2 = adam.bias_corrections(state.count, beta1, beta2)
         plain = None if amsgrad or eps_root else _plain_moments(grads, state.mu, state.nu, params)
         if plain is not None and ls.leafwise([x for xs in plain for x in xs], beta1, beta2, eps):
             gs, mu, nu, _ = plain
             spec = pytree.tree_structure(grads)
-            mu, nu, out = _adam_leafwise(gs, mu, nu, beta1, beta2, bc1, bc2, eps)
+            mu, nu, out = adam.leafwise(gs, mu, nu, beta1, beta2, bc1, bc2, eps)
             mu, nu = pytree.tree_unflatten(mu, spec), pytree.tree_unflatten(nu, spec)
             return pytree.tree_unflatten(out, spec), ScaleByAdamState(state.count + 1, mu, nu)
         gs, wide, mu = lp.load_moments(grads, state.mu, params)
         nu = lp.load_moments(grads, state.nu, second=True)[2]
         spec = pytree.tree_structure(grads)
         nu_max = state.nu_max if amsgrad else None
-        mu, nu, out = _adam_foreach(grads, gs, wide, mu, nu, beta1, beta2, bc1, bc2, eps, eps_root, nu_max)
+        mu, nu, out = adam.definition(grads, gs, wide, mu, nu, beta1, beta2, bc1, bc2, eps, eps_root, nu_max)
         keys = lp.moment_keys(state.count, rounding, state.mu, state.nu)  # ν_max is stored like ν
         new_state = ScaleByAdamState(
             state.count + 1, lp.store_moments(mu, state.mu, keys), lp.store_moments(nu, state.nu, keys, second=True)
@@ -253,8 +250,8 @@ def scale_by_adam(
                 tr.check_match(params, updates, "params", "updates", dtype=False), a, b, tr.tree_leaves(updates)
             )
             return new_state
-        t = (state.count + 1).to(torch.float64)
-        _adam_apply_leafwise(*plain, beta1, beta2, 1.0 - beta1**t, 1.0 - beta2**t, eps, a, b)
+        t = (state.count + 1).to(torch.float64)  # eager: no `once` to realize
+        adam.apply_leafwise(*plain, beta1, beta2, 1.0 - beta1**t, 1.0 - beta2**t, eps, a, b)
         return ScaleByAdamState(state.count + 1, state.mu, state.nu)
 
     return with_needs(
@@ -286,71 +283,6 @@ def _plain_moments(grads, mu, nu, params):
         if not g.shape == m.shape == v.shape == p.shape:
             return None
     return gs, ms, vs, ps_
-
-
-def _adam_leafwise(gs, mu, nu, beta1, beta2, bc1, bc2, eps):
-    """`scale_by_adam`'s math one leaf at a time (eager CPU, see `ls.leafwise`): new μ, ν
-    and updates, each a fresh tensor; the temporaries of a leaf are reused in place.
-
-    u = m / (√v · bc1/√bc2 + eps·bc1), = (m / bc1) / (√(v / bc2) + eps) to rounding,
-    one pass over memory fewer than scaling m and v apart.
-    """
-    # Scalars once per step, not per leaf (a 0-d tensor op costs as much as a small leaf's).
-    scale, shift, w1, w2 = bc1 / torch.sqrt(bc2), eps * bc1, 1.0 - beta1, 1.0 - beta2
-    new_mu, new_nu, out = [], [], []
-    for g, m, v in zip(gs, mu, nu):
-        m = torch.lerp(m, g, w1)  # β₁·m + (1-β₁)·g
-        if m.dtype != g.dtype:  # a 0-d leaf, promoted by a 0-d float64 β₁ (in place ops keep their dtype)
-            m = m.to(g.dtype)
-        # β₂·v + (1-β₂)·g², as torch (and `_adam_apply_leafwise`) round it; `out=` keeps a 0-d
-        # leaf's dtype where a 0-d float64 β₂ would promote it, as the in-place ops do.
-        v = torch.mul(v, beta2, out=torch.empty_like(v)).addcmul_(g, g, value=w2)
-        d = torch.sqrt(v).mul_(scale).add_(shift)
-        out.append(torch.div(m, d, out=d))
-        new_mu.append(m)
-        new_nu.append(v)
-    return new_mu, new_nu, out
-
-
-def _adam_apply_leafwise(gs, mu, nu, ps_, beta1, beta2, bc1, bc2, eps, a, b):
-    """`p ← a·p + b·m̂/(√v̂ + ε)` with μ and ν updated in place, a block of leaves at a time
-    (eager CPU, see `ls.leafwise`): torch.optim.AdamW's step, 7 passes per leaf.
-
-    μ and ν are bitwise torch's (the same ops); p equals it to rounding: with r = √bc2,
-    u = m·(r/bc1) / (√v + ε·r), = (m/bc1) / (√v/r + ε), one division pass fewer.
-    """
-    r = torch.sqrt(bc2)
-    shift, step, w1, w2 = eps * r, b * r / bc1, 1.0 - beta1, 1.0 - beta2
-    decay = not ls.is_one(a)
-    for lo, hi in ls.cache_blocks(gs):
-        g, m, v, p = gs[lo:hi], mu[lo:hi], nu[lo:hi], ps_[lo:hi]
-        torch._foreach_lerp_(m, g, w1)  # β₁·m + (1-β₁)·g
-        torch._foreach_mul_(v, beta2)  # β₂·v + (1-β₂)·g²
-        torch._foreach_addcmul_(v, g, g, value=w2)  # a 0-d CPU tensor as `value`: no device sync
-        d = torch._foreach_sqrt(v)
-        torch._foreach_add_(d, shift)
-        if decay:
-            torch._foreach_mul_(p, a)  # decoupled decay: a = 1 - η·λ
-        torch._foreach_addcdiv_(p, m, d, value=step)
-
-
-def _adam_foreach(grads, gs, wide, mu, nu, beta1, beta2, bc1, bc2, eps, eps_root, nu_max):
-    """`scale_by_adam`'s math as leaf-list ops: foreach kernels (per leaf under torch.func).
-
-    Returns new μ, ν and updates (and the new ν_max when `nu_max` is the stored one).
-    """
-    mu = ls.cast_like(ls.ema(mu, wide, beta1), wide)
-    nu = ls.cast_like(ls.ema_sq(nu, wide, beta2), wide)
-    if nu_max is not None:
-        nu_max = [torch.maximum(a, b) for a, b in zip(lp.load_moments(grads, nu_max, second=True)[2], nu)]
-    # u = (m / bc1) / (√(v / bc2 + eps_root) + eps)
-    # (intermediates are updated in place: in eager mode allocation costs more than math)
-    denom = ls.mul(nu if nu_max is None else nu_max, 1.0 / bc2)
-    if eps_root:
-        denom = ls.add_scalar_(denom, eps_root)
-    denom = ls.add_scalar_(ls.sqrt_(denom), eps)
-    out = ls.cast_like(ls.mul_(ls.div_into_(mu, denom), 1.0 / bc1), gs)
-    return mu, nu, (out if nu_max is None else (out, nu_max))
 
 
 class ScaleByLionState(NamedTuple):

@@ -16,6 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from . import _adam as adam
 from . import _precision as lp
 from ._base import (
     Params,
@@ -269,8 +270,7 @@ def scale_by_soap(
             def step(*args):
                 gw, mu_, nu_, gg, q, beta1, beta2, beta_s, bc, refresh = _unflat(args, k)
                 gp = _project(gw, full(q), back=False)
-                mu_ = mu_ * beta1.to(mu_.dtype) + gp * (1.0 - beta1.to(mu_.dtype))
-                nu_ = nu_ * beta2.to(nu_.dtype) + gp.square() * (1.0 - beta2.to(nu_.dtype))
+                (mu_,), (nu_,) = adam.moments([mu_], [nu_], [gp], beta1, beta2)  # Adam's, in the eigenbasis
                 direction = _project(mu_ / (nu_.sqrt() + eps), full(q), back=True)
                 if normalize_grads:
                     direction = direction / (1e-30 + direction.square().mean().sqrt())

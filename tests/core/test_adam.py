@@ -1,0 +1,96 @@
+"""Adam's rule is written once (core/_adam.py): each registered implementation equals the
+definition, and the optimizers that reuse it compute Adam where they should."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import purestep.core as ps
+from purestep.core import _adam as adam
+
+
+def _leaves(dtype, seed, shapes=((64, 33), (7,), (), (300, 5), (1, 1))):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g, dtype=torch.float64).to(dtype) for s in shapes]
+
+
+def _tol(dtype):
+    return dict(rtol=1e-6, atol=1e-7) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-14)
+
+
+def test_the_registry_names_the_definition_and_the_eager_kernels():
+    assert set(adam.IMPLEMENTATIONS) == {"definition", "leafwise", "apply_leafwise"}
+    assert adam.IMPLEMENTATIONS["definition"] is adam.definition
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("tensor_betas", [False, True], ids=["float betas", "0-d tensor betas"])
+def test_leafwise_equals_the_definition_over_many_steps(dtype, tensor_betas):
+    gs_steps = [_leaves(dtype, seed) for seed in range(1, 9)]
+    b1, b2, eps = 0.9, 0.99, 1e-8
+    if tensor_betas:
+        b1, b2 = torch.tensor(b1, dtype=torch.float64), torch.tensor(b2, dtype=torch.float64)
+    mu_d = [torch.zeros_like(x) for x in gs_steps[0]]
+    nu_d = [torch.zeros_like(x) for x in gs_steps[0]]
+    mu_l, nu_l = [m.clone() for m in mu_d], [v.clone() for v in nu_d]
+    for step, gs in enumerate(gs_steps):
+        bc1, bc2 = adam.bias_corrections(torch.tensor(step), b1, b2)
+        mu_d, nu_d, u_d = adam.definition(None, gs, gs, mu_d, nu_d, b1, b2, bc1, bc2, eps)
+        mu_l, nu_l, u_l = adam.leafwise(gs, mu_l, nu_l, b1, b2, bc1, bc2, eps)
+        for a, b in zip(mu_l + nu_l + u_l, mu_d + nu_d + u_d):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            torch.testing.assert_close(a, b, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("decay", [1.0, 1.0 - 1e-3 * 0.1], ids=["no decay", "decoupled decay"])
+def test_apply_leafwise_equals_the_definition_applied(dtype, decay):
+    b1, b2, eps, lr = 0.9, 0.999, 1e-8, 1e-3
+    p_d = _leaves(dtype, 0)
+    p_l = [p.clone() for p in p_d]
+    mu_d, nu_d = [torch.zeros_like(x) for x in p_d], [torch.zeros_like(x) for x in p_d]
+    mu_l, nu_l = [m.clone() for m in mu_d], [v.clone() for v in nu_d]
+    for step in range(8):
+        gs = _leaves(dtype, 10 + step)
+        t = torch.tensor(step + 1, dtype=torch.float64)
+        bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
+        mu_d, nu_d, u = adam.definition(None, gs, gs, mu_d, nu_d, b1, b2, bc1, bc2, eps)
+        p_d = [decay * p - lr * x for p, x in zip(p_d, u)]
+        adam.apply_leafwise(gs, mu_l, nu_l, p_l, b1, b2, bc1, bc2, eps, decay, -lr)  # in place
+        for a, b in zip(mu_l + nu_l + p_l, mu_d + nu_d + p_d):
+            torch.testing.assert_close(a, b, **_tol(dtype))
+
+
+def test_scale_by_adam_takes_each_implementation_where_it_applies_and_they_agree():
+    # Eager CPU with plain moments runs "leafwise" (and, donated, "apply_leafwise"); under
+    # torch.func.vmap the definition runs: all three give Adam's updates.
+    params = {f"w{i}": x for i, x in enumerate(_leaves(torch.float32, 0))}
+    opt = ps.adamw(1e-2, weight_decay=0.1)
+    pure, donated = ps.make_update(opt), ps.make_update(opt, donate=True)
+    p1, s1 = {k: v.clone() for k, v in params.items()}, opt.init(params)
+    p2, s2 = {k: v.clone() for k, v in params.items()}, opt.init(params)
+    batched = {k: v[None].clone() for k, v in params.items()}
+    s3 = torch.func.vmap(opt.init)(batched)
+    vmapped = torch.func.vmap(pure)
+    for step in range(6):
+        grads = {k: v for k, v in zip(params, _leaves(torch.float32, 20 + step))}
+        p1, s1 = pure(p1, grads, s1)
+        donated(p2, grads, s2)
+        batched, s3 = vmapped(batched, {k: v[None] for k, v in grads.items()}, s3)
+    for k in params:
+        torch.testing.assert_close(p2[k], p1[k], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(batched[k][0], p1[k], rtol=1e-6, atol=1e-7)
+
+
+def test_ademamix_without_its_slow_momentum_is_adam():
+    params = {f"w{i}": x for i, x in enumerate(_leaves(torch.float64, 0))}
+    mix = ps.scale_by_ademamix(b1=0.9, b2=0.99, b3=0.999, alpha=0.0, eps=1e-8)
+    ref = ps.scale_by_adam(b1=0.9, b2=0.99, eps=1e-8)
+    s_mix, s_ref = mix.init(params), ref.init(params)
+    for step in range(6):
+        grads = {k: v for k, v in zip(params, _leaves(torch.float64, 30 + step))}
+        u_mix, s_mix = mix.update(grads, s_mix, params)
+        u_ref, s_ref = ref.update(grads, s_ref, params)
+        for k in params:
+            torch.testing.assert_close(u_mix[k], u_ref[k], rtol=1e-12, atol=1e-14)

@@ -45,7 +45,7 @@ import _common as C  # noqa: E402
 from bench_optimizer import make_leaves  # noqa: E402
 
 import purestep.core as ps  # noqa: E402
-import purestep.core._precision as lp  # noqa: E402
+import purestep.core._low_precision as lp  # noqa: E402
 from purestep.api.cli import demo_config  # noqa: E402
 from purestep.api.data import ByteCorpus, stdlib_corpus  # noqa: E402
 from purestep.api.models import GPT  # noqa: E402

@@ -29,8 +29,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from . import _lists as ls
-from . import _precision as lp
+from . import _foreach as ls
+from . import _low_precision as lp
 from ._base import once
 
 Scalar = Any  # a float or a 0-d tensor

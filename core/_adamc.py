@@ -8,7 +8,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import _lists as ls
+from . import _foreach as ls
 from . import _tree as tr
 from ._base import (
     Params,
@@ -23,7 +23,7 @@ from ._base import (
     zero_count,
 )
 from ._combine import chain, masked
-from ._scaling import scale_by_adam, scale_by_lr
+from ._blocks import scale_by_adam, scale_by_lr
 from .engine.needs import Needs, with_needs
 
 

@@ -8,8 +8,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import _lists as ls
-from . import _precision as lp
+from . import _foreach as ls
+from . import _low_precision as lp
 from ._base import (
     Params,
     ScalarOrSchedule,
@@ -23,8 +23,8 @@ from ._base import (
     zero_count,
 )
 from ._combine import chain
-from ._optimizers import _decay
-from ._scaling import scale_by_lr
+from ._alias import _decay
+from ._blocks import scale_by_lr
 from .engine.needs import Needs, with_needs
 
 

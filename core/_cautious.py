@@ -12,8 +12,8 @@ from .engine import ops as lay
 from . import _tree as tr
 from ._base import OptState, Params, ScalarOrSchedule, Transform, check_betas, check_hyperparam, check_nonnegative
 from ._combine import chain
-from ._optimizers import _check_lr, _decay
-from ._scaling import scale_by_adam, scale_by_lr
+from ._alias import _check_lr, _decay
+from ._blocks import scale_by_adam, scale_by_lr
 from .engine.needs import Needs, with_needs
 
 _RESCALES = ("count", "mean")

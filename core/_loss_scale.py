@@ -8,7 +8,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import _lists as ls
+from . import _foreach as ls
 from ._base import PyTree, check_int, is_static, leaf_device
 
 

@@ -10,8 +10,8 @@ from torch import Tensor
 
 from .engine import ops as lay
 from . import _adam as adam
-from . import _lists as ls
-from . import _precision as lp
+from . import _foreach as ls
+from . import _low_precision as lp
 from ._base import (
     Params,
     ScalarOrSchedule,
@@ -25,8 +25,8 @@ from ._base import (
     zero_count,
 )
 from ._combine import chain
-from ._optimizers import _decay
-from ._scaling import scale_by_lr
+from ._alias import _decay
+from ._blocks import scale_by_lr
 from .engine.needs import Needs, with_needs
 
 

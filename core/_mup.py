@@ -24,9 +24,9 @@ from ._base import (
     is_static,
 )
 from ._combine import chain, identity
-from ._decay import scale_per_leaf
-from ._optimizers import _check_lr, _decay, sgd
-from ._scaling import scale_by_adam, scale_by_lr, trace
+from ._weight_decay import scale_per_leaf
+from ._alias import _check_lr, _decay, sgd
+from ._blocks import scale_by_adam, scale_by_lr, trace
 
 # One dim of a base shape: (base size, always a width dim). A plain int is a width dim
 # only where it differs from the leaf's size (mup's `zip_infshape`); an InfDim-like

@@ -13,8 +13,8 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from .engine import ops as lay
-from . import _lists as ls
-from . import _precision as lp
+from . import _foreach as ls
+from . import _low_precision as lp
 from ._base import (
     Params,
     ScalarOrSchedule,
@@ -27,12 +27,12 @@ from ._base import (
     zero_count,
 )
 from ._combine import chain, partition
-from ._decay import add_decayed_weights
-from ._muon import NS5_COEFFICIENTS, Coefficients, _check_matrices, _coefficient_schedule, check_muon_args
-from ._muon import batch_rule, leaf_batch_dims, muon_labels, orthogonalize_leaves
-from ._optimizers import adamw
+from ._weight_decay import add_decayed_weights
+from ._muon import _check_matrices, batch_rule, check_muon_args, leaf_batch_dims, muon_labels
+from ._newton_schulz import NS5_COEFFICIENTS, Coefficients, _coefficient_schedule, orthogonalize_leaves
+from ._alias import adamw
 from .engine.sharded import is_dtensor
-from ._scaling import scale_by_lr
+from ._blocks import scale_by_lr
 from .engine.needs import Needs, with_needs
 
 _NS_EPS = 1e-7  # the Newton-Schulz normalization's, as scale_by_muon's default

@@ -9,8 +9,8 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from .engine import ops as lay
-from . import _lists as ls
-from . import _precision as lp
+from . import _foreach as ls
+from . import _low_precision as lp
 from . import _tree as tr
 from ._base import (
     Params,
@@ -26,7 +26,7 @@ from ._base import (
     resolve,
     zero_count,
 )
-from ._optimizers import _check_lr, _is_zero
+from ._alias import _check_lr, _is_zero
 from .engine.needs import Needs, with_needs
 
 

@@ -2,7 +2,7 @@
 
 Training params are y; the base optimizer's step moves z; the eval params x are an
 explicit output, `schedule_free_eval_params(state, params)`, never a hidden mode.
-The update rule is written once, on `schedule_free_adamw` in `_optimizers.py`.
+The update rule is written once, on `schedule_free_adamw` in `_alias.py`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import _lists as ls
+from . import _foreach as ls
 from . import _tree as tr
 from ._base import (
     require_params,

@@ -17,7 +17,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from . import _adam as adam
-from . import _precision as lp
+from . import _low_precision as lp
 from ._base import (
     Params,
     ScalarOrSchedule,

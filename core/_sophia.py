@@ -1,6 +1,6 @@
 """Sophia (SophiaG): clipped, curvature-preconditioned momentum, and the Gauss-Newton-Bartlett estimate.
 
-The update rule is written once, on `sophia` in `_optimizers.py`.
+The update rule is written once, on `sophia` in `_alias.py`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from . import _precision as lp
-from . import _lists as ls
+from . import _low_precision as lp
+from . import _foreach as ls
 from . import _tree as tr
 from ._base import (
     check_int,

@@ -9,7 +9,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from ._base import PyTree
-from ._lists import global_norm, use_foreach
+from ._foreach import global_norm, use_foreach
 
 # --------------------------------------------------------------------------- #
 # Paths.

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import purestep.core as ps
-import purestep.core._precision as precision
+import purestep.core._low_precision as precision
 from purestep.core.testing import check_transform, param_trees
 
 NARROW = [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2]

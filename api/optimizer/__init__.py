@@ -11,6 +11,7 @@ from torch import Tensor
 import purestep.core as ps
 
 from . import _layout as L
+from . import _state_dict as SD
 from ._group import Group, ParamGroup, TorchState, real, refuse_grads
 
 # A group with at least this many elements compiles its update by default (see `Optimizer`).
@@ -346,37 +347,7 @@ class Optimizer(torch.optim.Optimizer):
         return out
 
     def _state_dict(self) -> dict[str, Any]:
-        for index, (group, g) in enumerate(zip(self.param_groups, self._groups)):
-            if g.lazy:
-                g.materialize(group["params"], f"param group {index}")
-        torch_layout = self.torch_class is not None
-        state: dict[int, dict[str, Tensor]] = {}
-        groups = []
-        first = 0
-        for group, g in zip(self.param_groups, self._groups):
-            ids = list(range(first, first + len(g.names)))
-            first += len(g.names)
-            packed = {k: v for k, v in group.items() if k != "params"}
-            packed["params"] = ids
-            if torch_layout:
-                exported = L.export_torch(g.state, g.names, ids, cast(L.Mirror, g.mirror), group)
-                for i, p in zip(ids, group["params"]):
-                    if p.is_complex() and i in exported:  # torch keeps a complex param's buffers complex
-                        exported[i] = {
-                            k: v if k == "step" else torch.view_as_complex(v) for k, v in exported[i].items()
-                        }
-                state.update(exported)
-            else:
-                per, packed["shared_state"] = L.export_generic(g.state, g.names, ids)
-                state.update(per)
-            for i, extra in zip(ids, self._extras(group["params"], g)):
-                if extra:
-                    state.setdefault(i, {}).update(extra)
-            groups.append(packed)
-        for key, value in self.state.items():  # what code keyed by anything but a param (torch keeps it as is)
-            if not isinstance(key, Tensor):
-                state[key] = value
-        return {"state": state, "param_groups": groups}
+        return SD.export(self)
 
     @torch.compiler.disable  # as torch.optim's
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
@@ -395,91 +366,7 @@ class Optimizer(torch.optim.Optimizer):
             post_hook(self)
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if not isinstance(state_dict, dict) or "param_groups" not in state_dict or "state" not in state_dict:
-            raise ValueError(
-                "state_dict must be a dict with 'state' and 'param_groups', as Optimizer.state_dict() gives"
-            )
-        for index, (group, g) in enumerate(zip(self.param_groups, self._groups)):
-            if g.lazy:
-                g.materialize(group["params"], f"param group {index}")
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"state_dict has {len(saved_groups)} param groups, this optimizer has {len(self.param_groups)}"
-            )
-        torch_layout = self.torch_class is not None
-        state_dict_entries = state_dict["state"]
-        saved_state, extras = _split_extras(state_dict_entries, self._groups, saved_groups, torch_layout)
-        complex_ids = {
-            i
-            for sg, group in zip(saved_groups, self.param_groups)
-            for i, p in zip(sg["params"], group["params"])
-            if p.is_complex()
-        }
-        saved_state = {
-            i: {
-                k: torch.view_as_real(v) if i in complex_ids and torch.is_tensor(v) and v.is_complex() else v
-                for k, v in e.items()
-            }
-            for i, e in saved_state.items()
-        }
-        state_dict = {**state_dict, "state": saved_state}
-        new_states = []
-        for index, (saved, g) in enumerate(zip(saved_groups, self._groups)):
-            where = f"param group {index}"
-            ids = list(saved["params"])
-            if len(ids) != len(g.names):
-                raise ValueError(
-                    f"{where} of the state_dict has {len(ids)} params, this optimizer's has {len(g.names)}"
-                )
-            if "param_names" in saved and _named(g.names) and list(saved["param_names"]) != g.names:
-                diff = next(a for a, b in zip(saved["param_names"], g.names) if a != b)
-                raise ValueError(f"{where}: the state_dict names a param {diff!r} this optimizer lacks")
-            if torch_layout == ("shared_state" in saved):
-                raise ValueError(L.layout_mismatch(self.torch_class, where))
-            if torch_layout:
-                for key, value in g.static.items():
-                    if key in saved and not L.same(L.canonical(key, saved[key]), L.canonical(key, value)):
-                        raise ValueError(
-                            f"{where} of the state_dict has {key}={saved[key]!r}, this optimizer was built "
-                            f"with {key}={value!r}; build it with the same {key}"
-                        )
-                new_states.append(
-                    L.import_torch(g.state, g.names, ids, cast(L.Mirror, g.mirror), state_dict["state"], where)
-                )
-            else:
-                shared = saved["shared_state"]
-                new_states.append(L.import_generic(g.state, g.names, ids, state_dict["state"], shared, where))
-        values = [
-            {**group, **{k: v for k, v in saved.items() if k not in ("params", "param_names", "shared_state")}}
-            for saved, group in zip(saved_groups, self.param_groups)
-        ]
-        for index, (trial, g, new) in enumerate(zip(values, self._groups, new_states)):
-            self._check_push(trial, g, new, index)  # every value checked before anything changes
-        for index, (trial, group, g, new) in enumerate(zip(values, self.param_groups, self._groups, new_states)):
-            g.state = new
-            g.refresh()
-            group.update({k: v for k, v in trial.items() if k not in ("params", "param_names")})
-            saved = saved_groups[index]
-            if (
-                "param_names" in saved and "param_names" not in group
-            ):  # a named state_dict names an unnamed group, as torch's
-                group["param_names"] = list(saved["param_names"])
-            self._push(group, g, index)
-            for p in group["params"]:  # what code put there before is replaced by what was saved
-                dict.pop(self.state, p, None)
-            g.shown = {}
-            self.state.mark_stale()
-        for p, extra in zip((p for group in self.param_groups for p in group["params"]), extras):
-            if extra:
-                self.state[p].update(extra)
-        # Entries keyed by anything but a param are replaced by the saved ones, as torch does.
-        saved_ids = {i for saved in saved_groups for i in saved["params"]}
-        for key in [k for k in dict.keys(self.state) if not isinstance(k, Tensor)]:
-            dict.pop(self.state, key)
-        for key, value in state_dict_entries.items():
-            if key not in saved_ids:
-                self.state[key] = value
+        SD.load(self, state_dict)
 
     def _expose_all(self, skip: set[int] | frozenset[int] = frozenset()) -> None:
         for group, g in zip(self.param_groups, self._groups):
@@ -585,11 +472,6 @@ _HYPERPARAMETERS = frozenset(
 )
 
 
-def _named(names: list[str]) -> bool:
-    """Whether a group's names came from `named_parameters()` (not the positions given by default)."""
-    return not all(n.isdigit() for n in names)
-
-
 def _name(factory: Callable) -> str:
     return f"ps.{getattr(factory, '__name__', repr(factory))}"
 
@@ -620,21 +502,3 @@ def _fill(target: Any, value: Any, where: str) -> None:
         target.copy_(value.detach().reshape(()))
     else:
         target.fill_(value)
-
-
-def _split_extras(saved: dict, groups: list[Group], saved_groups: list[dict], torch_layout: bool) -> tuple[dict, list]:
-    """The saved per-param entries without what code other than the transform put there
-    (a wrapper's keys), and those keys per param in order, to go back into `state`."""
-    kept, extras = {}, []
-    for g, sg in zip(groups, saved_groups):
-        own: list[set[str]] = [set() for _ in g.names]
-        for _, j, key in g.buffers:
-            own[j].add(key)
-        for j, i in enumerate(sg["params"]):
-            entry = saved.get(i) or {}
-            known = own[j] | ({"step"} | set(L.BUFFER_NAMES.values()) if torch_layout else set())
-            kept_entry = {k: v for k, v in entry.items() if k in known}
-            if kept_entry or i in saved:
-                kept[i] = kept_entry
-            extras.append({k: v for k, v in entry.items() if k not in known})
-    return {i: e for i, e in kept.items() if e}, extras

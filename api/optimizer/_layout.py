@@ -19,19 +19,19 @@ from torch import Tensor
 import purestep.core as ps
 
 # (state class, field) -> the name torch.optim gives the same per-param buffer.
-BUFFER_NAMES = {
-    ("ScaleByAdamState", "mu"): "exp_avg",
-    ("ScaleByAdamState", "nu"): "exp_avg_sq",
-    ("ScaleByAmsgradState", "mu"): "exp_avg",
-    ("ScaleByAmsgradState", "nu"): "exp_avg_sq",
-    ("ScaleByAmsgradState", "nu_max"): "max_exp_avg_sq",
-    ("ScaleByLionState", "mu"): "exp_avg",
-    ("TraceState", "trace"): "momentum_buffer",
-    ("ScaleByMuonState", "mu"): "momentum_buffer",
+BUFFER_NAMES = {  # (state class, field) -> torch.optim's name for that buffer
+    (ps.ScaleByAdamState, "mu"): "exp_avg",
+    (ps.ScaleByAdamState, "nu"): "exp_avg_sq",
+    (ps.ScaleByAmsgradState, "mu"): "exp_avg",
+    (ps.ScaleByAmsgradState, "nu"): "exp_avg_sq",
+    (ps.ScaleByAmsgradState, "nu_max"): "max_exp_avg_sq",
+    (ps.ScaleByLionState, "mu"): "exp_avg",
+    (ps.TraceState, "trace"): "momentum_buffer",
+    (ps.ScaleByMuonState, "mu"): "momentum_buffer",
     # AdEMAMix: the names of the paper's PyTorch code (apple/ml-ademamix)
-    ("ScaleByAdemamixState", "m1"): "exp_avg_fast",
-    ("ScaleByAdemamixState", "m2"): "exp_avg_slow",
-    ("ScaleByAdemamixState", "nu"): "exp_avg_sq",
+    (ps.ScaleByAdemamixState, "m1"): "exp_avg_fast",
+    (ps.ScaleByAdemamixState, "m2"): "exp_avg_slow",
+    (ps.ScaleByAdemamixState, "nu"): "exp_avg_sq",
 }
 # torch.optim group keys that choose an implementation, not the math: kept, never checked.
 IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
@@ -156,7 +156,7 @@ def classify(state: Any, names: list[str]) -> list[Leaf]:
             for k in keys[:-2]:
                 owner = _child(owner, k)
             field = getattr(keys[-2], "name", None) or path[: -len(last.key) - 1]
-            out.append(Leaf(path, "buffer", last.key, BUFFER_NAMES.get((type(owner).__name__, field), field)))
+            out.append(Leaf(path, "buffer", last.key, BUFFER_NAMES.get((type(owner), field), field)))
         elif isinstance(last, pytree.GetAttrKey) and last.name == "count":
             out.append(Leaf(path, "count"))
         else:

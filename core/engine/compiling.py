@@ -24,7 +24,7 @@ if hasattr(_inductor_config, "emulate_precision_casts"):
     _INDUCTOR_OPTIONS["emulate_precision_casts"] = True
 # Per device type, for the flat and sharded paths. There the per-step scalars are realized
 # by `ps.once` where they are computed (bias corrections, schedules, the clip factor), and
-# 0-d coefficients of elementwise math are cast to its dtype once (`_lists`' coefficients): a
+# 0-d coefficients of elementwise math are cast to its dtype once (`_foreach`' coefficients): a
 # low threshold for every node would also materialize large intermediates read twice, as
 # apply_if_finite's new state (checked, then selected), which measurably slowed the CPU
 # step (see benchmarks/README.md, "ps.once").

@@ -29,7 +29,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from .. import _lists as ls
+from .. import _foreach as ls
 from .. import _tree as tr
 from .._base import PyTree
 from .dtensor import is_dtensor

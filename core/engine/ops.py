@@ -29,7 +29,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from . import packed as _flat
-from .. import _lists as ls
+from .. import _foreach as ls
 from .. import _tree as tr
 
 

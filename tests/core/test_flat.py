@@ -204,7 +204,7 @@ def test_per_step_scalars_leave_the_elementwise_loop():
     # Injected hyperparameters are float64 0-d tensors and the bias corrections need a pow:
     # inlined, every vector of the 12345-element loop would convert them and redo `1 - β`,
     # `1 / bc` (AdamW ~5% slower than torch's fused step on CPU). `ps.once` and the
-    # coefficients of `_lists` compute them before the loop; nothing is called per step
+    # coefficients of `_foreach` compute them before the loop; nothing is called per step
     # but the one kernel.
     from torch._inductor.utils import run_and_get_code
 

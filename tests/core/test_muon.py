@@ -78,7 +78,7 @@ def test_bf16_emulation_stays_within_its_stated_tolerance_of_real_bf16_matmuls()
     emulated = orthogonalize(ns_dtype=torch.bfloat16, emulate_bf16=True)
     exact = orthogonalize(ns_dtype=torch.float64)
     default = orthogonalize(ns_dtype=torch.bfloat16)
-    chosen = real if ps._muon.CPU_BF16_MATMUL else emulated
+    chosen = real if ps._newton_schulz.CPU_BF16_MATMUL else emulated
     worst_real = max((real[k] - exact[k]).abs().max().item() for k in grads)
     worst_emulated = max((emulated[k] - exact[k]).abs().max().item() for k in grads)
     for k in grads:

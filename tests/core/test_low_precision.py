@@ -90,7 +90,7 @@ def test_stochastic_round_is_the_same_compiled_and_under_vmap():
 def test_moments_round_with_the_bits_of_their_leaf_key_from_one_precomputed_seed(dtype):
     # The blocks pass one int32 seed per leaf to both moments (so compiled code hashes
     # once); the bits must still be those of the leaf's key: low 16 for mu, high 16 for nu.
-    from purestep.core import _precision as lp
+    from purestep.core import _low_precision as lp
 
     like = lp.init_moments({"a": torch.zeros(5000), "b": torch.zeros(64, 80)}, dtype)
     count = torch.tensor(4)
@@ -127,7 +127,7 @@ def test_stochastic_rounding_averages_to_x_over_all_random_draws(dtype):
     # Every one of the 2^16 random draws, so the mean is exact rather than a sample: x
     # itself where the format drops at most 16 bits of float32's (bf16: 16, float16: 13);
     # within 2^-17 of a spacing for fp8 (20 dropped bits, a 16-bit threshold).
-    from purestep.core import _precision as lp
+    from purestep.core import _low_precision as lp
 
     x = _edge_values(dtype)
     if dtype in lp._FP8:

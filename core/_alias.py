@@ -17,8 +17,8 @@ from ._base import (
     is_static,
 )
 from ._combine import chain, identity, masked
-from ._decay import add_decayed_weights
-from ._scaling import scale, scale_by_adam, scale_by_lion, scale_by_lr, scale_by_trust_ratio, trace
+from ._weight_decay import add_decayed_weights
+from ._blocks import scale, scale_by_adam, scale_by_lion, scale_by_lr, scale_by_trust_ratio, trace
 from ._schedule_free import schedule_free, warmup_lr
 from ._sophia import scale_by_sophia
 

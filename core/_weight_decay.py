@@ -10,7 +10,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from .engine import ops as lay
-from . import _lists as ls
+from . import _foreach as ls
 from . import _tree as tr
 from ._base import (
     require_params,

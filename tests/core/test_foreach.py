@@ -1,10 +1,10 @@
-"""core/_lists.py: the blocks eager CPU math runs in."""
+"""core/_foreach.py: the blocks eager CPU math runs in."""
 
 from __future__ import annotations
 
 import torch
 
-from purestep.core import _lists as ls
+from purestep.core import _foreach as ls
 
 
 def test_cache_blocks_cover_every_leaf_in_order_and_close_at_the_block_size():

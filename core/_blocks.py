@@ -1,6 +1,6 @@
 """Building blocks that rescale updates: scale, scale_by_lr, trace, scale_by_adam, ...
 
-The update rules are written once, on the optimizer aliases in `_optimizers.py`.
+The update rules are written once, on the optimizer aliases in `_alias.py`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from .engine import ops as lay
-from . import _precision as lp
+from . import _low_precision as lp
 from . import _adam as adam
-from . import _lists as ls
+from . import _foreach as ls
 from . import _tree as tr
 from ._base import (
     require_params,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import msgspec
 
@@ -21,11 +21,14 @@ from torch import Tensor
 import purestep.core as ps
 
 from . import distributed as D
-from ._report import log
-from .checkpoint import MANIFEST, Checkpoint, checkpoint_dir, read_manifest
+from ._report import MetricsFile, log
+from .checkpoint import MANIFEST, Checkpoint, CheckpointManager, checkpoint_dir, read_manifest
 from .config import resume_changes
 from .errors import CheckpointError, ConfigError, RunDirError
 
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
 
 _Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 62)]
 
@@ -89,97 +92,131 @@ class LoopState:
         self.recent = collections.deque(state.get("recent", []), maxlen=self.recent.maxlen)
 
 
-def save(t: Any) -> Path | None:
-    """Write the checkpoint of `t.step` (collective); the path on the main rank."""
-    if t.checkpoints is None:
-        return None
-    path = t.checkpoints.save(
-        t.step,
-        params=t.params(),
-        opt_state=t.opt_state,
-        ema=t.ema,
-        config=t.config,
-        data_state={"step": t.step, "seed": t.config.seed},
-        metadata={"trainer": t.loop.state_dict(), "world_size": t.world.size},
-    )
-    t.saved_at = t.step
-    return path
+class RunDir:
+    """A Trainer's run directory (`out`), or none: what it holds and who may write it.
+
+    It owns the lock (held from `open` until `release`, see `CheckpointManager.hold`: a
+    second writer, fresh or resuming, is refused naming the holder), the checkpoints under
+    `out/checkpoints` (`CheckpointManager`), `metrics.jsonl` (`MetricsFile`) and the step
+    last saved. Without `out` there are no checkpoints and the metrics go nowhere. `save`,
+    `restore` and `open` read and write the Trainer's model, state and `LoopState`.
+    """
+
+    def __init__(self, out: str | Path | None, config: Any, world: Any, *, sharded: bool) -> None:
+        self.out = Path(out) if out is not None else None
+        self.checkpoints = (
+            None
+            if self.out is None
+            else CheckpointManager(self.out, keep_last=config.keep_last or 1 << 30, world=world, distributed=sharded)
+        )
+        self.metrics = MetricsFile(self.out / "metrics.jsonl" if self.out else None, world.main)
+        self.saved_at: int | None = None
+
+    def holds_checkpoints(self) -> bool:
+        return self.checkpoints is not None
+
+    def release(self) -> None:
+        """Let go of the lock (the run directory is a run's until its `fit` returns)."""
+        if self.checkpoints is not None:
+            self.checkpoints.release()
+
+    def checkpoint_path(self, step: int) -> Path:
+        return checkpoint_dir(cast(Path, self.out), step)
+
+    def save(self, t: Trainer) -> Path | None:
+        """Write the checkpoint of `t.step` (collective); the path on the main rank."""
+        if self.checkpoints is None:
+            return None
+        path = self.checkpoints.save(
+            t.step,
+            params=t.params(),
+            opt_state=t.opt_state,
+            ema=t.ema,
+            config=t.config,
+            data_state={"step": t.step, "seed": t.config.seed},
+            metadata={"trainer": t.loop.state_dict(), "world_size": t.world.size},
+        )
+        self.saved_at = t.step
+        return path
+
+    def restore(self, t: Trainer) -> Checkpoint | None:
+        """Load the newest checkpoint that loads into `t`'s model, state and loop, in place; None when none does."""
+        if self.checkpoints is None:
+            return None
+        params = t.params()
+        c = self.checkpoints.restore(
+            params_like=params, opt_state_like=t.opt_state, ema_like=t.ema, check=LoopState.check
+        )
+        if c is None:
+            return None
+        # Into the tensors the compiled, donated update already holds.
+        D.copy_into_(params, c.params)
+        D.copy_into_(t.opt_state, c.opt_state)
+        if t.ema is not None:
+            D.copy_into_(t.ema, c.ema)
+        t.loop.load_state_dict({**c.manifest.metadata.get("trainer", {}), "step": c.step})
+        self.saved_at = c.step
+        t.nonfinite_logged = int(t.nonfinite())
+        if t.world.size == c.manifest.metadata.get("world_size", 1):
+            c.restore_rng()
+        return c
+
+    def open(self, t: Trainer, resume: bool) -> bool:
+        """Hold the run directory and prepare it for training, resuming if asked; False when there is nothing left to train."""
+        if self.out is None or self.checkpoints is None:
+            if t.config.checkpoint_every:
+                raise ConfigError("checkpoint_every", "checkpoints need a run directory: pass out=")
+            return True
+        out, checkpoints = self.out, self.checkpoints
+        checkpoints.hold()  # before reading anything: a second writer is refused here
+        latest = checkpoints.latest()
+        held = latest is not None or (out / "metrics.jsonl").exists()
+        if held and not resume:
+            raise RunDirError(f"{out}: already holds a run; pass --resume to continue it or a new --out")
+        if resume and held:
+            manifest = read_manifest(latest) if latest is not None else None
+            changes = resume_changes(manifest.config if manifest else None, t.config, manifest.step if manifest else 0)
+            if latest is None and not checkpoints.has_candidates():
+                # Killed before its first checkpoint (metrics only): start over, as Lightning's ckpt_path="last" does.
+                if t.world.main:
+                    log(
+                        f"warning: {out} holds no checkpoint (the run stopped before its first); "
+                        "starting from step 0, its metrics.jsonl is rewritten"
+                    )
+            elif self.restore(t) is None:
+                raise RunDirError(
+                    f"{out}: no checkpoint in {out / 'checkpoints'} loads (see the warnings above); "
+                    "move the damaged ones aside to start over from step 0, or pass a new --out"
+                )
+            else:
+                _take_hyperparams(t)
+                if t.world.main:
+                    log(f"resumed from {checkpoint_dir(out, t.step)} at step {t.step}")
+                    for message in changes:
+                        log(f"resume: {message}")
+                    budget = t.config.time_budget
+                    if budget is not None and t.elapsed >= budget and t.step < t.config.steps:
+                        log(
+                            f"nothing to do: the run spent its time_budget ({t.elapsed:.0f} of {budget:g} s) at step "
+                            f"{t.step}; pass a larger --set time_budget=... to train on"
+                        )
+                    elif t.finished():
+                        log(
+                            f"nothing to do: the run finished at step {t.step} (steps={t.config.steps}); "
+                            "pass a larger --steps to train on"
+                        )
+                if t.finished():
+                    return False
+        D.barrier(t.world)
+        if t.world.main:
+            out.mkdir(parents=True, exist_ok=True)
+            self.metrics.keep_until(t.step)  # drop what was logged after the checkpoint resumed from
+        return True
 
 
-def restore(t: Any) -> Checkpoint | None:
-    """Load the newest checkpoint that loads into `t`'s model, state and loop, in place; None when none does."""
-    params = t.params()
-    c = t.checkpoints.restore(params_like=params, opt_state_like=t.opt_state, ema_like=t.ema, check=LoopState.check)
-    if c is None:
-        return None
-    # Into the tensors the compiled, donated update already holds.
-    D.copy_into_(params, c.params)
-    D.copy_into_(t.opt_state, c.opt_state)
-    if t.ema is not None:
-        D.copy_into_(t.ema, c.ema)
-    t.loop.load_state_dict({**c.manifest.metadata.get("trainer", {}), "step": c.step})
-    t.saved_at = c.step
-    t.nonfinite_logged = int(t.nonfinite())
-    if t.world.size == c.manifest.metadata.get("world_size", 1):
-        c.restore_rng()
-    return c
-
-
-def _take_hyperparams(t: Any) -> None:
+def _take_hyperparams(t: Trainer) -> None:
     """A resumed run keeps its own constant hyperparameters, not the checkpoint's (schedules re-evaluate the rest)."""
     held = ps.get_hyperparams(t.opt_state)
     for key, value in t.hyperparams.items():
         for dst, src in zip(pytree.tree_leaves(held[key]), pytree.tree_leaves(value)):
             dst.copy_(src)
-
-
-def open_run(t: Any, resume: bool) -> bool:
-    """Hold `t.out` and prepare it for training, resuming if asked; False when there is nothing left to train."""
-    if t.out is None:
-        if t.config.checkpoint_every:
-            raise ConfigError("checkpoint_every", "checkpoints need a run directory: pass out=")
-        return True
-    t.checkpoints.hold()  # before reading anything: a second writer is refused here
-    latest = t.checkpoints.latest()
-    held = latest is not None or (t.out / "metrics.jsonl").exists()
-    if held and not resume:
-        raise RunDirError(f"{t.out}: already holds a run; pass --resume to continue it or a new --out")
-    if resume and held:
-        manifest = read_manifest(latest) if latest is not None else None
-        changes = resume_changes(manifest.config if manifest else None, t.config, manifest.step if manifest else 0)
-        if latest is None and not t.checkpoints.has_candidates():
-            # Killed before its first checkpoint (metrics only): start over, as Lightning's ckpt_path="last" does.
-            if t.world.main:
-                log(
-                    f"warning: {t.out} holds no checkpoint (the run stopped before its first); "
-                    "starting from step 0, its metrics.jsonl is rewritten"
-                )
-        elif restore(t) is None:
-            raise RunDirError(
-                f"{t.out}: no checkpoint in {t.out / 'checkpoints'} loads (see the warnings above); "
-                "move the damaged ones aside to start over from step 0, or pass a new --out"
-            )
-        else:
-            _take_hyperparams(t)
-            if t.world.main:
-                log(f"resumed from {checkpoint_dir(t.out, t.step)} at step {t.step}")
-                for message in changes:
-                    log(f"resume: {message}")
-                budget = t.config.time_budget
-                if budget is not None and t.elapsed >= budget and t.step < t.config.steps:
-                    log(
-                        f"nothing to do: the run spent its time_budget ({t.elapsed:.0f} of {budget:g} s) at step "
-                        f"{t.step}; pass a larger --set time_budget=... to train on"
-                    )
-                elif t.finished():
-                    log(
-                        f"nothing to do: the run finished at step {t.step} (steps={t.config.steps}); "
-                        "pass a larger --steps to train on"
-                    )
-            if t.finished():
-                return False
-    D.barrier(t.world)
-    if t.world.main:
-        t.out.mkdir(parents=True, exist_ok=True)
-        t.metrics.keep_until(t.step)  # drop what was logged after the checkpoint resumed from
-    return True

@@ -21,6 +21,10 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
+from purestep.core.engine.dtensor import full_tree as full_tree  # the one set of DTensor helpers
+from purestep.core.engine.dtensor import is_dtensor as is_dtensor
+from purestep.core.engine.dtensor import local as local
+
 STRATEGIES = ("single", "ddp", "fsdp", "hsdp")
 
 
@@ -215,22 +219,6 @@ def barrier(world: World) -> None:
     """Wait for every rank."""
     if world.size > 1:
         dist.barrier()
-
-
-def is_dtensor(t: Any) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
-def local(t: Tensor) -> Tensor:
-    """This rank's shard of a DTensor (the tensor itself otherwise)."""
-    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]  # a DTensor
-
-
-def full_tree(tree: Any) -> Any:
-    """Every DTensor leaf gathered into a full plain tensor (a collective: call on all ranks)."""
-    return pytree.tree_map(lambda t: t.full_tensor() if is_dtensor(t) else t, tree)
 
 
 def copy_into_(dst_tree: Any, src_tree: Any) -> None:

@@ -7,6 +7,8 @@ the `purestep` command prints it without a traceback and exits with code 2.
     CheckpointError  a checkpoint missing, incomplete, corrupted, or not fitting what it loads into
     RunDirError      a run directory that cannot be used as asked (held by another run, nothing to resume)
     UsageError       a command-line mistake (no such run directory, nothing to plot)
+
+and `check_int`, the argument check the api's own functions share (a ValueError naming it).
 """
 
 from __future__ import annotations
@@ -41,3 +43,10 @@ class RunDirError(ValueError):
 
 class UsageError(ValueError):
     """A command-line mistake (missing run directory, nothing to plot...)."""
+
+
+def check_int(name: str, value: object, minimum: int = 0) -> int:
+    """`value`, an int (not a bool) >= `minimum`, else a ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value

@@ -31,8 +31,7 @@ import purestep.core as ps
 
 from . import _run_dir as run_dir
 from . import distributed as D
-from ._report import MetricsFile, Progress, StopSignals, log
-from .checkpoint import CheckpointManager, checkpoint_dir
+from ._report import Progress, StopSignals, log
 from .config import TrainConfig, refuse_ignored
 from .errors import CheckpointError, ConfigError, RunDirError
 from .data import batch_rows, build_data, check_rows, eval_batches, is_step_indexed, to_device, train_batches
@@ -156,22 +155,13 @@ class Trainer:
         self.update_metrics: dict[str, Tensor] = {}  # the last update's (device tensors)
         self.ema = ema[0](params) if ema is not None else None
         self.hyperparams = {k: pytree.tree_map(torch.clone, v) for k, v in ps.get_hyperparams(self.opt_state).items()}
-        self.out = Path(out) if out is not None else None
-        self.checkpoints = (
-            None
-            if self.out is None
-            else CheckpointManager(
-                self.out, keep_last=cfg.keep_last or 1 << 30, world=self.world, distributed=self.fsdp
-            )
-        )
-        self.metrics = MetricsFile(self.out / "metrics.jsonl" if self.out else None, self.world.main)
+        self.run = run_dir.RunDir(out, cfg, self.world, sharded=self.fsdp)  # the lock, checkpoints, metrics
         self.progress = self.world.main if progress is None else progress and self.world.main
         flops = getattr(D.unwrap(self.module), "flops_per_token", None)
         self.flops_per_token = flops() if callable(flops) else None
         self.peak_flops = peak_flops(self.world.device)
         # Where the run stands, saved with every checkpoint; the rest is this process's own.
         self.loop = run_dir.LoopState(torch.zeros((), dtype=torch.float64, device=self.world.device), cfg.spike_window)
-        self.saved_at: int | None = None
         self.nonfinite_logged = 0
         self.last: dict[str, Any] = {}
         self.batches: Any = None
@@ -349,12 +339,12 @@ class Trainer:
 
     def save(self) -> Path | None:
         """Write a checkpoint of this step (collective; the path on the main rank)."""
-        return run_dir.save(self)
+        return self.run.save(self)
 
     def rewind(self) -> dict[str, Any]:
         """Back to the last checkpoint after repeated loss spikes; the batches since are skipped."""
         at = self.loop.step
-        c = run_dir.restore(self) if self.checkpoints is not None else None
+        c = self.run.restore(self)
         self.loop.spikes = 0
         if c is None:
             log(f"step {at}: repeated loss spikes but no checkpoint to rewind to; skipping on")
@@ -392,14 +382,14 @@ class Trainer:
         nonfinite = int(self.nonfinite())
         if nonfinite > self.nonfinite_logged:
             event = {"step": self.loop.step, "event": "skip_nonfinite", "skipped": nonfinite - self.nonfinite_logged}
-            self.metrics.write(event)
+            self.run.metrics.write(event)
             log(
                 f"step {self.loop.step}: skip_nonfinite ({event['skipped']} step(s) with non-finite gradients since the last log)"
             )
             self.nonfinite_logged = nonfinite
         if line["loss"] is not None:
             self.last.update(line)
-            self.metrics.write(line)
+            self.run.metrics.write(line)
         return now, tokens
 
     def fit(self, *, resume: bool = False) -> dict[str, Any]:
@@ -416,12 +406,11 @@ class Trainer:
         try:
             return self._fit(resume)
         finally:
-            if self.checkpoints is not None:
-                self.checkpoints.release()  # the run directory is this run's until it returns
+            self.run.release()  # the run directory is this run's until it returns
 
     def _fit(self, resume: bool) -> dict[str, Any]:
         cfg = self.config
-        if not run_dir.open_run(self, resume):
+        if not self.run.open(self, resume):
             return dict(self.last, step=self.loop.step)
         w, k = self.world, cfg.grad_accum
         start = max(
@@ -434,7 +423,7 @@ class Trainer:
         except RunDirError:  # metrics.jsonl could not be written
             self._save_before_failing()
             raise
-        if self.saved_at != self.loop.step:
+        if self.run.saved_at != self.loop.step:
             self.save()  # a finished run always has a checkpoint
         return dict(self.last, step=self.loop.step)
 
@@ -455,16 +444,18 @@ class Trainer:
                     due = due or self.finished()
                 bar.step(self.loop.step)
                 if record.get("event") == "skip_spike":
-                    self.metrics.write({"step": self.loop.step, "event": "skip_spike", "loss": _read(record["loss"])})
+                    self.run.metrics.write(
+                        {"step": self.loop.step, "event": "skip_spike", "loss": _read(record["loss"])}
+                    )
                     log(f"step {self.loop.step}: loss spike skipped (loss {_read(record['loss']):.4g})")
                     if self.loop.spikes >= cfg.spike_rewind:
-                        self.metrics.write({"step": self.loop.step, "event": "rewind", **self.rewind()})
+                        self.run.metrics.write({"step": self.loop.step, "event": "rewind", **self.rewind()})
                 if due and "loss" in record:
                     since = self._log(record, since)
                     bar.metrics(self.last)
                 if cfg.eval_every and self.loop.step % cfg.eval_every == 0:
                     self.last["val_loss"] = self.evaluate()
-                    self.metrics.write({"step": self.loop.step, "val_loss": self.last["val_loss"]})
+                    self.run.metrics.write({"step": self.loop.step, "val_loss": self.last["val_loss"]})
                     bar.line(f"step {self.loop.step:6d}  val loss {self.last['val_loss']:.4f}")
                 if cfg.checkpoint_every and self.loop.step % cfg.checkpoint_every == 0:
                     self.save()
@@ -481,12 +472,10 @@ class Trainer:
     def _preempted(self, signum: int) -> None:
         import signal
 
-        if self.checkpoints is None:
+        if not self.run.holds_checkpoints():
             where = "no run directory, nothing saved"
         else:
-            path = (
-                self.save() if self.saved_at != self.loop.step else checkpoint_dir(cast(Path, self.out), self.loop.step)
-            )
+            path = self.save() if self.run.saved_at != self.loop.step else self.run.checkpoint_path(self.loop.step)
             where = f"checkpoint {path}"
         if self.world.main:
             try:  # after SIGHUP the terminal may be gone
@@ -502,7 +491,7 @@ class Trainer:
         """A last checkpoint when the run directory fails under a single-process run (a full
         disk stops metrics.jsonl first: checkpoints may still fit). Under torchrun the other
         ranks are inside a collective, so nothing is attempted."""
-        if self.checkpoints is None or self.world.distributed or self.saved_at == self.loop.step:
+        if not self.run.holds_checkpoints() or self.world.distributed or self.run.saved_at == self.loop.step:
             return
         try:
             log(f"checkpoint {self.save()} written before stopping")
@@ -511,6 +500,5 @@ class Trainer:
 
     def close(self) -> None:
         """Let go of the run directory and leave the process group (under torchrun)."""
-        if self.checkpoints is not None:
-            self.checkpoints.release()
+        self.run.release()
         D.teardown(self.world)

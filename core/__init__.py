@@ -54,8 +54,8 @@ from ._alias import lion as lion
 from ._alias import sgd as sgd
 from ._muon import muon as muon
 from ._muon import muon_adamw as muon_adamw
-from ._alias import schedule_free_adamw as schedule_free_adamw
-from ._alias import sophia as sophia
+from ._schedule_free import schedule_free_adamw as schedule_free_adamw
+from ._sophia import sophia as sophia
 from ._muon import ScaleByMuonState as ScaleByMuonState
 from ._muon import muon_labels as muon_labels
 from ._muon import scale_by_muon as scale_by_muon

@@ -1,4 +1,5 @@
-"""Optimizer aliases: each is a `chain` of public building blocks, no math of its own."""
+"""The aliases of `_blocks`' building blocks (sgd, adam, adamw, lion, lamb, lars): each a `chain`, no
+math of its own. Every other family keeps its aliases in its own module."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from ._base import (
     Transform,
     check_betas,
     check_hyperparam,
-    check_int,
     check_nonnegative,
     check_positive,
     is_static,
@@ -19,8 +19,6 @@ from ._base import (
 from ._combine import chain, identity, masked
 from ._weight_decay import add_decayed_weights
 from ._blocks import scale, scale_by_adam, scale_by_lion, scale_by_lr, scale_by_trust_ratio, trace
-from ._schedule_free import schedule_free, warmup_lr
-from ._sophia import scale_by_sophia
 
 
 def _is_zero(value: Any) -> bool:
@@ -301,87 +299,3 @@ def lars(
         scale_by_lr(lr),
         trace(momentum, nesterov),
     )
-
-
-# --------------------------------------------------------------------------- #
-# Schedule-free AdamW, Sophia (Muon's aliases are in _muon.py).
-# --------------------------------------------------------------------------- #
-
-
-def schedule_free_adamw(
-    lr: ScalarOrSchedule = 0.0025,
-    betas: tuple[ScalarOrSchedule, ScalarOrSchedule] = (0.9, 0.999),
-    eps: float = 1e-8,
-    weight_decay: ScalarOrSchedule = 0.0,
-    warmup_steps: int = 0,
-    r: float = 0.0,
-    weight_lr_power: float = 2.0,
-) -> Transform:
-    """Schedule-free AdamW, = `schedulefree.AdamWScheduleFree`; params in training are y.
-
-    ηₜ = η·min(1, (t+1)/warmup);  v ← β₂·v + (1-β₂)·g²;  ĝ = g / (√(v/(1-β₂ᵗ⁺¹)) + ε) + λ·y;
-    wₜ = (t+1)ʳ·max_{s≤t}(ηₛ)^p;  c = wₜ / Σ_{s≤t} wₛ;
-    y ← (1-c)·y + c·z + ηₜ·(β₁(1-c) - 1)·ĝ;  z ← z - ηₜ·ĝ,
-    with η = `lr`, (β₁, β₂) = `betas`, ε = `eps`, λ = `weight_decay` (at y), r = `r`,
-    p = `weight_lr_power`, t the update count from 0. Evaluate at x = y + (1 - 1/β₁)·(z - y):
-    `ps.schedule_free_eval_params(state, params)`.
-
-    Warning:
-        No train()/eval() modes: params stay y; x is an explicit output.
-
-    Examples:
-        >>> import torch, purestep.core as ps
-        >>> opt = ps.schedule_free_adamw(lr=0.1, warmup_steps=10)
-        >>> y = {"w": torch.ones(2)}
-        >>> updates, state = opt.update({"w": torch.ones(2)}, opt.init(y), y)
-        >>> updates["w"]  # first update: lr·1/10 of warmup, c = 1 so y moves onto z
-        tensor([-0.0100, -0.0100])
-
-    References:
-        Defazio et al., The Road Less Scheduled, 2024.
-    """
-    _check_lr(lr)
-    b1, b2 = check_betas(betas)
-    check_int("warmup_steps", warmup_steps)
-    lr_t = warmup_lr(lr, warmup_steps)
-    base = chain(scale_by_adam(0.0, b2, eps), _decay(weight_decay), scale_by_lr(lr_t))
-    return schedule_free(base, lr_t, b1, r=r, weight_lr_power=weight_lr_power)
-
-
-def sophia(
-    lr: ScalarOrSchedule = 1e-4,
-    betas: tuple[ScalarOrSchedule, ScalarOrSchedule] = (0.965, 0.99),
-    rho: ScalarOrSchedule = 0.04,
-    weight_decay: ScalarOrSchedule = 0.1,
-    eps: float = 1e-15,
-    update_every: int = 10,
-) -> Transform:
-    """SophiaG, = the official `SophiaG` (`sophia-opt`) with its `bs` folded into the estimate.
-
-    m ← β₁·m + (1-β₁)·g;  h ← β₂·h + (1-β₂)·ĥ on updates t ≡ 0 (mod k), else h unchanged;
-    p ← p - η·(sign(m)·min(|m| / (ρ·h + ε), 1) + λ·p),
-    with η = `lr`, (β₁, β₂) = `betas`, ρ = `rho`, ε = `eps`, λ = `weight_decay`,
-    k = `update_every`, ĥ the curvature estimate passed as `update(..., hessian=ĥ)`
-    (e.g. `ps.gnb_hessian`, = B·ĝ²). Each element moves by at most η (plus decay).
-
-    Warning:
-        The official optimizer keeps the EMA of ĝ² and multiplies by the batch size `bs`
-        when stepping; here ĥ already carries it (B·ĝ²), so pass `bs * grad**2` to match.
-        The refresh happens inside the update that receives `hessian` (the official loop
-        calls `update_hessian()` after the step), and updates without one keep h.
-
-    Examples:
-        >>> import torch, purestep.core as ps
-        >>> opt = ps.sophia(lr=0.1, weight_decay=0.0)
-        >>> params = {"w": torch.ones(2)}
-        >>> g = {"w": torch.tensor([1.0, -1.0])}
-        >>> h = {"w": torch.tensor([1e-3, 1e3])}  # flat: clipped to lr; curved: a small step
-        >>> updates, state = opt.update(g, opt.init(params), params, hessian=h)
-        >>> updates["w"]
-        tensor([-0.1000,  0.0088])
-
-    References:
-        Liu et al., Sophia: A Scalable Stochastic Second-order Optimizer for Language Model Pre-training, 2023.
-    """
-    b1, b2 = check_betas(betas)
-    return chain(scale_by_sophia(b1, b2, rho, eps, update_every=update_every), _decay(weight_decay), scale_by_lr(lr))

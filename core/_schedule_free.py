@@ -24,6 +24,8 @@ from ._base import (
     Transform,
     as_float64,
     check_beta,
+    check_betas,
+    check_int,
     check_hyperparam,
     check_nonnegative,
     leaf_device,
@@ -31,6 +33,9 @@ from ._base import (
     zero_count,
 )
 from .engine.needs import Needs, with_needs
+from ._alias import _check_lr, _decay
+from ._blocks import scale_by_adam, scale_by_lr
+from ._combine import chain
 
 
 class ScheduleFreeState(NamedTuple):
@@ -180,3 +185,43 @@ def schedule_free_eval_params(state: OptState, params: Params) -> Params:
             weight = (1.0 - 1.0 / sf.b1).to(device=y.device, dtype=y.dtype)
             out[path] = torch.lerp(y, z.to(y.dtype), weight)
     return tr.tree_unflatten([out[p] for p, _ in pairs], spec)
+
+
+def schedule_free_adamw(
+    lr: ScalarOrSchedule = 0.0025,
+    betas: tuple[ScalarOrSchedule, ScalarOrSchedule] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: ScalarOrSchedule = 0.0,
+    warmup_steps: int = 0,
+    r: float = 0.0,
+    weight_lr_power: float = 2.0,
+) -> Transform:
+    """Schedule-free AdamW, = `schedulefree.AdamWScheduleFree`; params in training are y.
+
+    ηₜ = η·min(1, (t+1)/warmup);  v ← β₂·v + (1-β₂)·g²;  ĝ = g / (√(v/(1-β₂ᵗ⁺¹)) + ε) + λ·y;
+    wₜ = (t+1)ʳ·max_{s≤t}(ηₛ)^p;  c = wₜ / Σ_{s≤t} wₛ;
+    y ← (1-c)·y + c·z + ηₜ·(β₁(1-c) - 1)·ĝ;  z ← z - ηₜ·ĝ,
+    with η = `lr`, (β₁, β₂) = `betas`, ε = `eps`, λ = `weight_decay` (at y), r = `r`,
+    p = `weight_lr_power`, t the update count from 0. Evaluate at x = y + (1 - 1/β₁)·(z - y):
+    `ps.schedule_free_eval_params(state, params)`.
+
+    Warning:
+        No train()/eval() modes: params stay y; x is an explicit output.
+
+    Examples:
+        >>> import torch, purestep.core as ps
+        >>> opt = ps.schedule_free_adamw(lr=0.1, warmup_steps=10)
+        >>> y = {"w": torch.ones(2)}
+        >>> updates, state = opt.update({"w": torch.ones(2)}, opt.init(y), y)
+        >>> updates["w"]  # first update: lr·1/10 of warmup, c = 1 so y moves onto z
+        tensor([-0.0100, -0.0100])
+
+    References:
+        Defazio et al., The Road Less Scheduled, 2024.
+    """
+    _check_lr(lr)
+    b1, b2 = check_betas(betas)
+    check_int("warmup_steps", warmup_steps)
+    lr_t = warmup_lr(lr, warmup_steps)
+    base = chain(scale_by_adam(0.0, b2, eps), _decay(weight_decay), scale_by_lr(lr_t))
+    return schedule_free(base, lr_t, b1, r=r, weight_lr_power=weight_lr_power)

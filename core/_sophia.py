@@ -30,6 +30,9 @@ from ._base import (
     zero_count,
 )
 from .engine.needs import Needs, with_needs
+from ._alias import _decay
+from ._blocks import scale_by_lr
+from ._combine import chain
 
 
 class ScaleBySophiaState(NamedTuple):
@@ -152,3 +155,42 @@ def gnb_hessian(
     dlogits = (torch.softmax(flat, dim=-1) - F.one_hot(labels, flat.shape[-1]).to(flat.dtype)) / rows
     (ghat,) = vjp_fn(dlogits.reshape(logits.shape).to(logits.dtype))
     return pytree.tree_map(lambda g: rows * g * g, ghat)
+
+
+def sophia(
+    lr: ScalarOrSchedule = 1e-4,
+    betas: tuple[ScalarOrSchedule, ScalarOrSchedule] = (0.965, 0.99),
+    rho: ScalarOrSchedule = 0.04,
+    weight_decay: ScalarOrSchedule = 0.1,
+    eps: float = 1e-15,
+    update_every: int = 10,
+) -> Transform:
+    """SophiaG, = the official `SophiaG` (`sophia-opt`) with its `bs` folded into the estimate.
+
+    m ← β₁·m + (1-β₁)·g;  h ← β₂·h + (1-β₂)·ĥ on updates t ≡ 0 (mod k), else h unchanged;
+    p ← p - η·(sign(m)·min(|m| / (ρ·h + ε), 1) + λ·p),
+    with η = `lr`, (β₁, β₂) = `betas`, ρ = `rho`, ε = `eps`, λ = `weight_decay`,
+    k = `update_every`, ĥ the curvature estimate passed as `update(..., hessian=ĥ)`
+    (e.g. `ps.gnb_hessian`, = B·ĝ²). Each element moves by at most η (plus decay).
+
+    Warning:
+        The official optimizer keeps the EMA of ĝ² and multiplies by the batch size `bs`
+        when stepping; here ĥ already carries it (B·ĝ²), so pass `bs * grad**2` to match.
+        The refresh happens inside the update that receives `hessian` (the official loop
+        calls `update_hessian()` after the step), and updates without one keep h.
+
+    Examples:
+        >>> import torch, purestep.core as ps
+        >>> opt = ps.sophia(lr=0.1, weight_decay=0.0)
+        >>> params = {"w": torch.ones(2)}
+        >>> g = {"w": torch.tensor([1.0, -1.0])}
+        >>> h = {"w": torch.tensor([1e-3, 1e3])}  # flat: clipped to lr; curved: a small step
+        >>> updates, state = opt.update(g, opt.init(params), params, hessian=h)
+        >>> updates["w"]
+        tensor([-0.1000,  0.0088])
+
+    References:
+        Liu et al., Sophia: A Scalable Stochastic Second-order Optimizer for Language Model Pre-training, 2023.
+    """
+    b1, b2 = check_betas(betas)
+    return chain(scale_by_sophia(b1, b2, rho, eps, update_every=update_every), _decay(weight_decay), scale_by_lr(lr))

@@ -30,10 +30,10 @@ import torch
 
 from . import _dirs as dirs
 from . import _io as store
-from purestep.core._base import check_int
 
 from .. import distributed as D
 from ..errors import CheckpointError as CheckpointError
+from ..errors import check_int
 from ..errors import RunDirError
 from ._lock import RunLock
 from ._format import MANIFEST as MANIFEST

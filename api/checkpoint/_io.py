@@ -29,10 +29,9 @@ import purestep.core as ps
 
 from . import _dirs as dirs
 from . import _dcp, _files
-from purestep.core._base import check_int
 
 from .. import distributed as D
-from ..errors import CheckpointError
+from ..errors import CheckpointError, check_int
 from ._format import DTYPES, GROUPS, MANIFEST, Manifest, encode_manifest, fsync_dir, read_manifest
 from ._format import read_tensors, reason, unwrap, verify_file, write_bytes, write_tensors
 from ._reader import Whole, assemble, read_into

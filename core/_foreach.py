@@ -28,7 +28,27 @@ def use_foreach(xs: Sequence[Tensor], *scalars: Scalar) -> bool:
         return False  # under vmap/grad, also when torch.compile traces vmap(step)
     if torch.compiler.is_compiling():
         return True
+    if not (all(type(x) in _PLAIN for x in xs) if type(xs[0]) in _PLAIN else _one_mesh(xs)):
+        return False  # DTensors beside plain tensors (TP alone), or over several meshes (FSDP beside TP)
     return not (torch.is_grad_enabled() and any(isinstance(s, Tensor) and s.requires_grad for s in scalars))
+
+
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def _one_mesh(xs: Sequence[Tensor]) -> bool:
+    """Whether `xs` are DTensors of one device mesh (a foreach kernel then runs over them)."""
+    mesh = getattr(xs[0], "device_mesh", None)
+    return mesh is not None and all(getattr(x, "device_mesh", None) == mesh for x in xs)
+
+
+def local_scalars(xs: list[Tensor]) -> list[Tensor]:
+    """0-d per-leaf results as plain tensors: a DTensor's (Partial or Replicate, on its own
+    mesh) reduced to its full value, so that results of several meshes stack and add (the
+    per-leaf DTensor path, FSDP beside TP). Plain tensors pass as they are."""
+    if all(type(x) in _PLAIN for x in xs):
+        return xs
+    return [x.full_tensor() if hasattr(x, "full_tensor") else x for x in xs]
 
 
 def _owned_inplace(xs: list[Tensor]) -> bool:
@@ -380,7 +400,7 @@ def global_norm(xs: list[Tensor]) -> Tensor:
     if not xs:
         return torch.zeros((), dtype=torch.float32)
     acc = torch.float64 if any(x.dtype == torch.float64 for x in xs) else torch.float32
-    per_leaf = [n.to(acc) for n in norms(xs)]
+    per_leaf = [n.to(acc) for n in local_scalars(norms(xs))]
     return torch.linalg.vector_norm(torch.stack(per_leaf))
 
 
@@ -403,7 +423,7 @@ def nonfinite_count(xs: list[Tensor]) -> Tensor:
         return (~torch.isfinite(torch.stack(ends))).any(dim=1).sum()
     # Under FSDP2 on whole DTensors, the per-leaf counts of sharded and replicated leaves are
     # Partial(sum) and Replicate DTensors, which add; flags would not combine.
-    counts = [(~torch.isfinite(x)).sum() for x in xs]
+    counts = local_scalars([(~torch.isfinite(x)).sum() for x in xs])
     bad = counts[0]
     for c in counts[1:]:
         bad = bad + c

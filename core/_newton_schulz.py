@@ -129,9 +129,11 @@ def orthogonalize_leaves(
         m = x.reshape(math.prod(x.shape[:b]), x.shape[b], math.prod(x.shape[b + 1 :]))
         flipped.append(m.shape[1] > m.shape[2])
         mats.append(m.mT if flipped[-1] else m)
-        groups.setdefault((tuple(mats[-1].shape[1:]), m.device), []).append(i)
+        # DTensors batch with the same mesh and placements only (whole DTensors, the per-leaf path).
+        layout = (x.device_mesh, tuple(x.placements)) if hasattr(x, "device_mesh") else None  # type: ignore[attr-defined]
+        groups.setdefault((tuple(mats[-1].shape[1:]), m.device, layout), []).append(i)
     out: list[Tensor | None] = [None] * len(xs)
-    for (_, device), idx in groups.items():
+    for (_, device, _), idx in groups.items():
         parts = [mats[i].to(dtype) for i in idx]
         batch = parts[0] if len(parts) == 1 else torch.cat(parts)  # (N, rows, cols)
         round_to = None

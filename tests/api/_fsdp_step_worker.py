@@ -128,7 +128,7 @@ HSDP_COMPILED = ("adamw+clip+skip", "muon_adamw")
 
 
 def main_hsdp() -> None:
-    """4 ranks: HSDP on a (replicate 2, shard 2) mesh."""
+    """4 ranks: HSDP on a (replicate 2, shard 2) mesh, then FSDP+TP on (dp 2, tp 2) and TP alone."""
     from torch.distributed.device_mesh import init_device_mesh
 
     dist.init_process_group("gloo")
@@ -138,9 +138,74 @@ def main_hsdp() -> None:
             worst = run(name, compile, mesh=mesh)
             if dist.get_rank() == 0:
                 print(f"ok hsdp {name} compile={compile} max_err={worst:.2e}", flush=True)
+    for layout in ("fsdp+tp", "tp"):
+        for name in TP_CASES:
+            worst, why = run_tp(name, layout)
+            if dist.get_rank() == 0:
+                print(f"ok {layout} {name} max_err={worst:.2e} path={why.split(':')[0]!r} why={why!r}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
     leave(0)
+
+
+class MLP(torch.nn.Module):
+    """The demo GPT's MLP shape in small: up (colwise under TP), down (rowwise), and a head TP leaves alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.down, self.head = torch.nn.Linear(6, 8), torch.nn.Linear(8, 6), torch.nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.down(torch.tanh(self.up(x)))))
+
+
+TP_CASES = ("adamw+clip+skip", "muon_adamw", "lamb")
+
+
+def run_tp(name: str, layout: str) -> tuple[float, str]:
+    """One case on tensor parallelism: "fsdp+tp" (TP over mesh["tp"], then FSDP2 over mesh["dp"]
+    on a (dp 2, tp 2) mesh: params on two meshes) or "tp" (TP alone over every rank: DTensor
+    params beside plain ones). The update runs on whole DTensors; it must equal one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    ref, net = MLP(), MLP()
+    plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    if layout == "fsdp+tp":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(net, mesh["tp"], plan)
+        for m in (net.up, net.down, net.head):
+            fully_shard(m, mesh=mesh["dp"])
+        fully_shard(net, mesh=mesh["dp"])
+    else:
+        parallelize_module(net, init_device_mesh("cpu", (dist.get_world_size(),)), plan)
+    opt = CASES[name]()
+    params = dict(net.named_parameters())
+    state = opt.init(params)
+    update = ps.make_update(opt, donate=True, metrics=True)
+    ref_params = {k: p.detach().clone() for k, p in ref.named_parameters()}
+    ref_state, pure = opt.init(ref_params), ps.make_update(opt)
+    gen = torch.Generator().manual_seed(1)
+    worst = 0.0
+    for step in range(3):
+        x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 1, generator=gen)
+        ((net(x) - y) ** 2).mean().backward()
+        grads = {k: p.grad for k, p in params.items()}
+        ref_grads = torch.func.grad(lambda p: ((torch.func.functional_call(ref, p, (x,)) - y) ** 2).mean())(ref_params)
+        metrics = update(params, grads, state)[-1]
+        ref_params, ref_state = pure(ref_params, ref_grads, ref_state)
+        net.zero_grad(set_to_none=False)
+        if not torch.allclose(metrics["grad_norm"], ps.tree_global_norm(ref_grads), rtol=1e-5):
+            raise AssertionError(f"{layout} {name} step {step}: grad_norm {float(metrics['grad_norm'])}")
+        for k, p in params.items():
+            full = p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
+            err = float((full - ref_params[k]).abs().max())
+            if not err <= 2e-6 * max(1.0, float(ref_params[k].abs().max())):
+                raise AssertionError(f"{layout} {name} step {step}: '{k}' is {err:.3g} from one process")
+            worst = max(worst, err)
+    return worst, update.explain()
 
 
 def main() -> None:

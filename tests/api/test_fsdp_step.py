@@ -39,7 +39,7 @@ def test_sharded_update_on_two_fsdp2_ranks_equals_one_process():
 
 def test_sharded_update_on_an_hsdp_mesh_of_four_ranks_equals_one_process_and_keeps_replicas_identical():
     """HSDP: `fully_shard(..., mesh=init_device_mesh("cpu", (2, 2)))`, a (replicate, shard)
-    mesh. Reductions and owner-computes run within each replica's shard group; the replicas
+    mesh; then FSDP+TP and TP alone on the same 4 ranks. Reductions and owner-computes run within each replica's shard group; the replicas
     must hold bitwise the same params and state after every case, every case equal to one
     process, a NaN in both replicas' block skipped by every rank."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4", str(WORKER), "hsdp"]
@@ -52,3 +52,9 @@ def test_sharded_update_on_an_hsdp_mesh_of_four_ranks_equals_one_process_and_kee
         ["muon_adamw", "compile=False"], ["muon_adamw", "compile=True"],
         ["normuon_adamw", "compile=False"], ["lamb", "compile=False"], ["prodigy", "compile=False"],
     ], out.stdout
+    # Tensor parallelism (FSDP2 over mesh["dp"] beside TP over mesh["tp"]; TP alone beside plain
+    # params): torch's own clip_grad_norm_ refuses the mixed meshes; the update runs on whole
+    # DTensors (the per-leaf DTensor path, which says why) and equals one process.
+    tp = [line.split()[:3] for line in out.stdout.splitlines() if line.startswith(("ok fsdp+tp ", "ok tp "))]
+    assert tp == [["ok", layout, name] for layout in ("fsdp+tp", "tp") for name in ("adamw+clip+skip", "muon_adamw", "lamb")], out.stdout
+    assert all("path='per-leaf DTensor'" in line for line in out.stdout.splitlines() if line.startswith(("ok fsdp+tp", "ok tp "))), out.stdout

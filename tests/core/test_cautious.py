@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import purestep.core as ps
-from tests.core.test_optimizers import RTOL, assert_histories_close, assert_moved, grad_stream, make_params, run_purestep
+from tests.core.test_alias import RTOL, assert_histories_close, assert_moved, grad_stream, make_params, run_purestep
 
 STEPS = 30
 

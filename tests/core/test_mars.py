@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import purestep.core as ps
-from tests.core.test_optimizers import assert_histories_close, assert_moved, grad_stream, make_params, run_purestep, run_torch
+from tests.core.test_alias import assert_histories_close, assert_moved, grad_stream, make_params, run_purestep, run_torch
 
 pytorch_optimizer = pytest.importorskip("pytorch_optimizer")
 

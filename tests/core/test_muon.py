@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import purestep.core as ps
-from tests.core.test_optimizers import run_purestep
+from tests.core.test_alias import run_purestep
 
 STEPS = 8
 SHAPES = {"layers.0.q": (16, 32), "layers.0.up": (32, 16), "layers.1.q": (16, 32), "layers.1.o": (24, 24)}

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import purestep.core as ps
-from tests.core.test_optimizers import RTOL, assert_histories_close, assert_moved
+from tests.core.test_alias import RTOL, assert_histories_close, assert_moved
 
 mup = pytest.importorskip("mup")
 

@@ -9,7 +9,7 @@ import torch
 
 import purestep.core as ps
 from tests.core.test_ademamix import run_optax
-from tests.core.test_optimizers import assert_histories_close, assert_moved, grad_stream, make_params, run_purestep
+from tests.core.test_alias import assert_histories_close, assert_moved, grad_stream, make_params, run_purestep
 
 STEPS = 40
 

@@ -301,7 +301,7 @@ def _reference_cautious_adamw(params, grads_list, lr, wd, b1=0.9, b2=0.999, eps=
 
 
 def test_cautious_weight_decay_on_adamw_matches_the_per_tensor_reference():
-    from tests.core.test_optimizers import assert_histories_close, grad_stream, make_params, run_purestep
+    from tests.core.test_alias import assert_histories_close, grad_stream, make_params, run_purestep
 
     params = make_params()
     grads = grad_stream(params, steps=30)

@@ -31,6 +31,7 @@ _ALWAYS_STATIC = (
     "ns_coefficients",
     "base_shapes",
     "batch_dims",
+    "split",
 )
 
 

@@ -72,6 +72,51 @@ def batch_rule(batch_dims: Any) -> Rule:
     return Rule("batch_dims", batch_dims, per_leaf)
 
 
+def split_rule(split: Any, batch_dims: Any) -> Rule:
+    """`split` as a per-leaf rule: per leaf, None or the row sizes of the blocks its matrices'
+    first dim (after the batch dims) splits into before orthogonalizing. `split` per leaf is
+    None or 1 (whole), an int k (k equal blocks), or a sequence of row sizes; given once for
+    every leaf, as a tree like the params (read by leaf path), or as `(path, leaf) -> value`."""
+
+    def per_leaf(whole: PyTree) -> list[tuple[int, ...] | None]:
+        pairs = tr.tree_flatten_with_path(whole)[0]
+        if callable(split):
+            values = [split(path, x) for path, x in pairs]
+        elif split is None or isinstance(split, int) or _is_sizes(split):
+            values = [split] * len(pairs)
+        else:  # a tree like the params, read by leaf path (a hybrid's Muon side sees some leaves)
+            flat = pytree.tree_flatten_with_path(split, is_leaf=lambda v: v is None or _is_sizes(v))[0]
+            given = {tr.path_str(p): v for p, v in flat}
+            missing = [path for path, _ in pairs if path not in given]
+            if missing:
+                raise ValueError(
+                    "split must be an int, a sequence of row sizes, a tree of those shaped like the params or a "
+                    f"callable (path, leaf) -> one; it has no entry for leaf '{missing[0]}'"
+                )
+            values = [given[path] for path, _ in pairs]
+        out: list[tuple[int, ...] | None] = []
+        for (path, x), b, v in zip(pairs, batch_rule(batch_dims).values(whole), values):
+            rows = x.shape[b] if x.dim() > b else 0
+            if v is None or (isinstance(v, int) and not isinstance(v, bool) and v == 1):
+                out.append(None)
+            elif isinstance(v, int) and not isinstance(v, bool) and v > 1 and rows % v == 0:
+                out.append((rows // v,) * v)
+            elif _is_sizes(v) and sum(v) == rows and all(n > 0 for n in v):
+                out.append(tuple(int(n) for n in v))
+            else:
+                raise ValueError(
+                    f"split of leaf '{path}' (shape {tuple(x.shape)}, {rows} rows after {b} batch dim(s)) is {v!r}: "
+                    "give None, a number of equal blocks that divides the rows, or row sizes that sum to them"
+                )
+        return out
+
+    return Rule(f"split:{id(batch_dims)}", split, per_leaf)
+
+
+def _is_sizes(v: Any) -> bool:
+    return isinstance(v, (tuple, list)) and bool(v) and all(isinstance(n, int) and not isinstance(n, bool) for n in v)
+
+
 def _lr_ratio(shape: torch.Size, adjust_lr: str) -> float:
     rows, cols = shape[0], math.prod(shape[1:])
     if adjust_lr == "original":
@@ -124,6 +169,7 @@ def scale_by_muon(
     eps: float = 1e-7,
     emulate_bf16: bool | None = None,
     batch_dims: Any = 0,
+    split: Any = None,
     mu_dtype: torch.dtype | None = None,
     rounding: str = "stochastic",
 ) -> Transform:
@@ -141,6 +187,11 @@ def scale_by_muon(
         m × n matrices, each orthogonalized and scaled (s(m, n)) on its own, as optax's
         `MuonDimensionNumbers`; 0 (the default) makes a leaf of more than 2 dims one matrix
         (shape[0], prod(rest)), as conv filters want.
+      split: blocks of a fused leaf, each orthogonalized and scaled as a matrix of its own:
+        per leaf None (whole), an int k (k equal blocks of the matrix's first dim, after the
+        batch dims: a fused QKV weight (3·d, d) with 3 is q, k and v; with 3·heads, each head
+        of each), or a sequence of row sizes (GQA's unequal q, k, v); given once, as a tree
+        like the params, or as `(path, leaf) -> value`. Blocks of one shape batch together.
       emulate_bf16: with `ns_dtype=torch.bfloat16`, run the iterations as float32 matmuls
         with every result rounded to bf16 (True), as real bf16 matmuls (False), or emulate
         only on a CPU without bf16 matmul units, no AVX512-BF16 or AMX (None, the default).
@@ -175,12 +226,14 @@ def scale_by_muon(
     def init(params: Params) -> ScaleByMuonState:
         _check_matrices(params, "params")
         leaf_batch_dims(params, batch_dims)  # refused now, not at the first update
+        splits.values(params)
         leaves = pytree.tree_leaves(params)
         return ScaleByMuonState(zero_count(leaf_device(leaves)), lp.init_moments(params, mu_dtype))
 
     def update(grads, state, params=None, **extra):
         _check_matrices(grads, "grads")
         batch = leaf_batch_dims(grads, batch_dims)
+        blocks = lay.per_leaf(grads, splits) if split is not None else None
         gs, wide, mu = lp.load_moments(grads, state.mu, params)
         spec = pytree.tree_structure(grads)
         beta = resolve(momentum, state.count)
@@ -189,17 +242,28 @@ def scale_by_muon(
         # m̃ = (1-β)·g + β·m with nesterov, else m
         src = ls.cast_like(ls.ema(wide, mu, 1.0 - beta), wide) if nesterov else mu
 
-        def scaled_orthogonal(mats: list[Tensor], lead: list[int]) -> list[Tensor]:
-            # On whole matrices (over FSDP2 shards: once, on each matrix's owner rank).
-            ortho = orthogonalize_leaves(mats, coefficients, safety, eps, ns_dtype, emulate_bf16, lead)
-            return [o * _lr_ratio(o.shape[b:], adjust_lr) for o, b in zip(ortho, lead)]
+        def scaled_orthogonal(mats: list[Tensor], lead: list[int], sizes: list | None = None) -> list[Tensor]:
+            # On whole matrices (over FSDP2 shards: once, on each matrix's owner rank); a
+            # fused leaf as its blocks (`split`), each a matrix of its own.
+            parts = [
+                list(m.split(list(s), dim=b)) if s else [m] for m, b, s in zip(mats, lead, sizes or [None] * len(mats))
+            ]
+            flat = [p for ps_ in parts for p in ps_]
+            leads = [b for ps_, b in zip(parts, lead) for _ in ps_]
+            ortho = orthogonalize_leaves(flat, coefficients, safety, eps, ns_dtype, emulate_bf16, leads)
+            scaled = iter([o * _lr_ratio(o.shape[b:], adjust_lr) for o, b in zip(ortho, leads)])
+            return [
+                torch.cat([next(scaled) for _ in ps_], dim=b) if len(ps_) > 1 else next(scaled)
+                for ps_, b in zip(parts, lead)
+            ]
 
-        out = ls.cast_like(lay.map_matrices(grads, scaled_orthogonal, src, batch_dims=batch), gs)
+        out = ls.cast_like(lay.map_matrices(grads, scaled_orthogonal, src, batch_dims=batch, extra=blocks), gs)
         stored = lp.store_moments(mu, state.mu, lp.moment_keys(state.count, rounding, state.mu))
         return pytree.tree_unflatten(out, spec), ScaleByMuonState(state.count + 1, stored)
 
-    # Per-matrix math: same-shape matrices stacked; batch dims a per-leaf rule.
-    rules = (batch_rule(batch_dims),)
+    # Per-matrix math: same-shape matrices stacked; batch dims and blocks per-leaf rules.
+    splits = split_rule(split, batch_dims)
+    rules = (batch_rule(batch_dims),) + ((splits,) if split is not None else ())
     return with_needs(
         Transform(init, update),
         Needs(whole_leaves=True, rules=rules, reductions=("map_matrices",), flat=lp.unpackable(mu_dtype)),
@@ -253,6 +317,7 @@ def muon(
     eps: float = 1e-7,
     emulate_bf16: bool | None = None,
     batch_dims: Any = 0,
+    split: Any = None,
     cautious_weight_decay: bool = False,
     mu_dtype: torch.dtype | None = None,
     rounding: str = "stochastic",
@@ -276,6 +341,9 @@ def muon(
       batch_dims: leading dims that index separate matrices (an int, a tree of ints or
         `(path, leaf) -> int`): expert weights (E, m, n) with 1 are E m × n matrices, each
         orthogonalized and scaled as m × n. See `scale_by_muon`.
+      split: blocks of a fused leaf (QKV into q, k, v; per head), each orthogonalized and
+        scaled as a matrix of its own: an int of equal blocks or row sizes per leaf. See
+        `scale_by_muon`.
       cautious_weight_decay: decay only where sign(O) = sign(p) (Chen et al. 2025); see `adamw`.
       mu_dtype, rounding: how m is stored; see `adam`.
 
@@ -307,6 +375,7 @@ def muon(
         eps=eps,
         emulate_bf16=emulate_bf16,
         batch_dims=batch_dims,
+        split=split,
         mu_dtype=mu_dtype,
         rounding=rounding,
     )
@@ -330,6 +399,7 @@ def muon_adamw(
     labels: Any = muon_labels,
     emulate_bf16: bool | None = None,
     batch_dims: Any = 0,
+    split: Any = None,
     cautious_weight_decay: bool = False,
     mu_dtype: torch.dtype | None = None,
     nu_dtype: torch.dtype | None = None,
@@ -351,6 +421,7 @@ def muon_adamw(
       emulate_bf16: Muon's bf16 emulation switch, see `muon`.
       batch_dims: Muon's, see `muon` (an int, a tree of ints or `(path, leaf) -> int`; a
         tree or callable is read on the leaves Muon takes).
+      split: Muon's blocks of fused leaves, see `muon` (read on the leaves Muon takes).
       cautious_weight_decay: cautious decay on both sides (Chen et al. 2025); see `adamw`.
       mu_dtype, nu_dtype, rounding: how the momenta are stored (see `adam`): `mu_dtype` for
         Muon's momentum and AdamW's m, `nu_dtype` for AdamW's v.
@@ -380,6 +451,7 @@ def muon_adamw(
                 ns_coefficients,
                 emulate_bf16=emulate_bf16,
                 batch_dims=batch_dims,
+                split=split,
                 cautious_weight_decay=cautious_weight_decay,
                 mu_dtype=mu_dtype,
                 rounding=rounding,

@@ -151,16 +151,26 @@ class ShardInfo:
             self._owners[indices] = (owner, replica)
         return self._owners[indices]
 
-    def map_matrices(self, spec: PackSpec, fn: Callable, xs: list[Tensor], batch: list[int]) -> list[Tensor]:
+    def map_matrices(
+        self, spec: PackSpec, fn: Callable, xs: list[Tensor], batch: list[int], extra: list | None = None
+    ) -> list[Tensor]:
         """`ops.map_matrices` over shards: owner-computes (see the module docstring);
-        `batch`: the leading batch dims of each group's leaves."""
+        `batch`: the leading batch dims of each group's leaves; `extra`: a value per group
+        handed to `fn` with each of its leaves (`fn(mats, lead, extras)`), when given."""
         blocks: dict[int, Tensor] = {}  # leaf index -> this rank's block
         lead: dict[int, int] = {}  # leaf index -> its batch dims (stacks are unbound here)
-        for g, x, b in zip(spec.groups, xs, batch):
+        extra_of: dict[int, Any] = {}
+        for g, x, b, e in zip(spec.groups, xs, batch, extra if extra is not None else [None] * len(xs)):
             members = g.members
             parts = list(x.unbind(0)) if g.is_stack else [x]
             blocks.update((m.index, p) for m, p in zip(members, parts))
             lead.update((m.index, b) for m in members)
+            extra_of.update((m.index, e) for m in members)
+
+        def run(mats: list[Tensor], idx: list[int]) -> list[Tensor]:  # `fn` on the whole matrices of these leaves
+            leads = [lead[i] for i in idx]
+            return fn(mats, leads) if extra is None else fn(mats, leads, [extra_of[i] for i in idx])
+
         # Row blocks of a leaf whose dim 0 indexes matrices (batch_dims >= 1: experts) are whole
         # matrices: each rank computes its own, with no collective, and an expert leaf's work is
         # split over the ranks as its rows are (blocks, not leaves).
@@ -172,18 +182,16 @@ class ShardInfo:
         replicated = [i for i in sorted(blocks) if not self.slices[i].sharded]
         local = replicated + by_block
         if local:  # every rank holds these whole (replicated leaves, its own expert matrices): computed where they are
-            results.update(zip(local, fn([blocks[i] for i in local], [lead[i] for i in local])))
+            results.update(zip(local, run([blocks[i] for i in local], local)))
         if sharded:
-            results.update(self._owner_computes(sharded, blocks, fn, lead))
+            results.update(self._owner_computes(sharded, blocks, run))
         out = []
         for g, x in zip(spec.groups, xs):
             parts = [results[m.index].reshape(blocks[m.index].shape) for m in g.members]
             out.append(torch.stack(parts) if g.is_stack else parts[0])
         return out
 
-    def _owner_computes(
-        self, indices: tuple[int, ...], blocks: dict[int, Tensor], fn: Callable, lead: dict[int, int]
-    ) -> dict[int, Tensor]:
+    def _owner_computes(self, indices: tuple[int, ...], blocks: dict[int, Tensor], run: Callable) -> dict[int, Tensor]:
         owner, me, world = self.owners(indices), self.rank, self.world
         mine = [i for i in indices if owner[i] == me]
         dtype = blocks[indices[0]].dtype
@@ -198,7 +206,7 @@ class ShardInfo:
         for k, i in enumerate(mine):  # rank s's rows of matrix i sit at s·len(mine) + k
             rows = [pieces[s * len(mine) + k].view(sl[i].counts[s], *sl[i].shape[1:]) for s in range(world)]
             whole.append(torch.cat(rows) if len(rows) > 1 else rows[0])
-        done = _replicas_compute(self, indices, mine, whole, fn, lead) if whole else []
+        done = _replicas_compute(self, indices, mine, whole, run) if whole else []
         # Results back: to rank d, its rows of every matrix I own.
         back = [
             o[sl[i].starts[d] : sl[i].starts[d] + sl[i].counts[d]].reshape(-1)
@@ -233,17 +241,17 @@ def describe(params: Any) -> str:
 
 
 def _replicas_compute(
-    info: ShardInfo, indices: tuple[int, ...], mine: list[int], whole: list[Tensor], fn: Callable, lead: dict[int, int]
+    info: ShardInfo, indices: tuple[int, ...], mine: list[int], whole: list[Tensor], run: Callable
 ) -> list[Tensor]:
     """`fn` on the whole matrices this rank owns. Without replicas, on all of them. With
     HSDP's replicas, each replica's owner computes its share (`computing_replica`) and one
     all_reduce over the replicas (zeros where another computed: the sum is exact) gives
     every replica every result."""
     if info.replica_group is None:
-        return fn(whole, [lead[i] for i in mine])
+        return run(whole, mine)
     replica = info.computing_replica(indices)
     todo = [k for k, i in enumerate(mine) if replica[i] == info.replica]
-    results = dict(zip(todo, fn([whole[k] for k in todo], [lead[mine[k]] for k in todo]))) if todo else {}
+    results = dict(zip(todo, run([whole[k] for k in todo], [mine[k] for k in todo]))) if todo else {}
     flat = torch.cat(
         [results[k].reshape(-1) if k in results else torch.zeros_like(w).reshape(-1) for k, w in enumerate(whole)]
     )

@@ -188,20 +188,23 @@ def leaf_sums(tree: Any, xs: Sequence[Tensor]) -> list[Tensor]:
 
 def map_matrices(
     tree: Any,
-    fn: Callable[[list[Tensor], list[int]], list[Tensor]],
+    fn: Callable[..., list[Tensor]],
     xs: Sequence[Tensor],
     *,
     batch_dims: Sequence[int] | None = None,
+    extra: Sequence[Any] | None = None,
 ) -> list[Tensor]:
     """`fn(leaves, lead) -> results` (same shapes) on whole leaves.
 
     `xs` are values shaped like `tree`'s leaves. `fn` is called with whole leaves and, per
     leaf, how many leading dims index separate matrices: 1 for a (k, *shape) stack, plus
-    the leaf's `batch_dims` (one int per leaf of `tree`, default 0). Over FSDP2 shards,
-    each rank calls it once with the whole leaves it owns (owners balanced by cost, see
-    `_sharded`), and gets back its rows of every result."""
+    the leaf's `batch_dims` (one int per leaf of `tree`, default 0); with `extra` (one value
+    per leaf of `tree`), also each leaf's value: `fn(leaves, lead, extras)`. Over FSDP2
+    shards, each rank calls it once with the whole leaves it owns (owners balanced by cost,
+    see `mesh`), and gets back its rows of every result."""
     batch = list(batch_dims) if batch_dims is not None else [0] * len(xs)
     shard = _shard(tree)
     if shard is None:
-        return fn(list(xs), [int(k) + b for k, b in zip(stacked(tree), batch)])
-    return shard.map_matrices(tree.pack_spec, fn, list(xs), batch)
+        lead = [int(k) + b for k, b in zip(stacked(tree), batch)]
+        return fn(list(xs), lead) if extra is None else fn(list(xs), lead, list(extra))
+    return shard.map_matrices(tree.pack_spec, fn, list(xs), batch, None if extra is None else list(extra))

@@ -35,6 +35,9 @@ CASES = {
         lambda p: {k: "alc"[i % 3] for i, k in enumerate(p)})),
     "muon_batch_dims": lambda: ps.apply_if_finite(ps.muon_adamw(
         lr=0.02, adamw_lr=0.01, ns_dtype=torch.float32, batch_dims=lambda path, x: int(x.dim() == 3), cautious_weight_decay=True)),
+    # Fused leaves in blocks: 5-row matrices as 2 + 3 rows, each its own matrix (on the owner rank).
+    "muon_split": lambda: ps.apply_if_finite(ps.muon_adamw(
+        lr=0.02, adamw_lr=0.01, ns_dtype=torch.float32, split=lambda path, x: (2, 3) if x.shape[0] == 5 else None)),
     "normuon_batch_dims": lambda: ps.apply_if_finite(ps.normuon_adamw(
         lr=0.02, adamw_lr=0.01, ns_dtype=torch.float32, batch_dims=lambda path, x: int(x.dim() == 3))),
 }

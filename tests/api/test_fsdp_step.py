@@ -31,7 +31,7 @@ def test_sharded_update_on_two_fsdp2_ranks_equals_one_process():
         ["normuon_adamw", "compile=False"], ["normuon_adamw", "compile=True"],
         ["normuon_original", "compile=False"], ["lamb", "compile=False"], ["adaptive_clip", "compile=False"], ["cautious_adamw", "compile=False"],
         ["prodigy", "compile=False"], ["prodigy", "compile=True"], ["mars", "compile=False"],
-        ["adopt/laprop/adamc", "compile=False"], ["muon_batch_dims", "compile=False"],
+        ["adopt/laprop/adamc", "compile=False"], ["muon_batch_dims", "compile=False"], ["muon_split", "compile=False"],
         ["normuon_batch_dims", "compile=False"], ["normuon_batch_dims", "compile=True"],
         ["per-leaf-DTensor", "compile=False"],
     ], out.stdout

@@ -428,3 +428,68 @@ def test_muon_adamw_batch_dims_as_a_tree_of_every_param_or_injected_as_a_callabl
     by_fn, _ = run_purestep(injected, params, steps)
     for k in params:
         torch.testing.assert_close(by_tree[-1][k], by_fn[-1][k], rtol=1e-12, atol=1e-12)
+
+
+def _fused(seed=0, steps=5, rows=(8, 8, 8), cols=8):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(sum(rows), cols, generator=g, dtype=torch.float64)
+    grads = [torch.randn(sum(rows), cols, generator=g, dtype=torch.float64) for _ in range(steps)]
+    return w, grads
+
+
+@pytest.mark.parametrize("split,rows", [(3, (8, 8, 8)), (12, (2,) * 12), ((8, 4, 4), (8, 4, 4))],
+                         ids=["q k v", "per head", "GQA row sizes"])
+def test_muon_split_orthogonalizes_each_block_of_a_fused_leaf_as_its_own_matrix(split, rows):
+    w, grads = _fused(rows=rows)
+    kw = dict(ns_dtype=torch.float64, weight_decay=0.1, adjust_lr="match_rms_adamw")
+    fused, _ = run_purestep(ps.muon(0.05, split=split, **kw), {"qkv": w}, [{"qkv": g} for g in grads])
+    blocks = lambda x: dict(zip((f"b{i}" for i in range(len(rows))), x.split(list(rows))))  # noqa: E731
+    separate, _ = run_purestep(ps.muon(0.05, **kw), blocks(w), [blocks(g) for g in grads])
+    want = torch.cat([separate[-1][f"b{i}"] for i in range(len(rows))])
+    torch.testing.assert_close(fused[-1]["qkv"], want, rtol=1e-12, atol=1e-12)
+    whole, _ = run_purestep(ps.muon(0.05, **kw), {"qkv": w}, [{"qkv": g} for g in grads])
+    assert not torch.allclose(whole[-1]["qkv"], fused[-1]["qkv"])  # without split: one 24 x 8 matrix
+
+
+def test_muon_split_with_batch_dims_by_path_and_bad_values_name_the_leaf():
+    # Experts of fused leaves: (E, 3·r, c) with batch_dims=1 and split=3 is E·3 matrices of r x c.
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(2, 12, 4, generator=g, dtype=torch.float64)
+    grads = [torch.randn(2, 12, 4, generator=g, dtype=torch.float64) for _ in range(4)]
+    kw = dict(ns_dtype=torch.float64)
+    fused, _ = run_purestep(ps.muon(0.05, batch_dims=1, split={"e": 3}, **kw), {"e": w}, [{"e": x} for x in grads])
+    parts = lambda x: {f"e{i}.{j}": x[i, 4 * j: 4 * j + 4] for i in range(2) for j in range(3)}  # noqa: E731
+    separate, _ = run_purestep(ps.muon(0.05, **kw), parts(w), [parts(x) for x in grads])
+    for i in range(2):
+        for j in range(3):
+            torch.testing.assert_close(fused[-1]["e"][i, 4 * j: 4 * j + 4], separate[-1][f"e{i}.{j}"], rtol=1e-12, atol=1e-12)
+    params = {"attn.qkv": torch.zeros(12, 4), "mlp.w": torch.zeros(5, 4)}
+    with pytest.raises(ValueError, match="'mlp.w'"):
+        ps.muon(0.05, split=3).init(params)  # 5 rows do not split into 3
+    with pytest.raises(ValueError, match="'attn.qkv'"):
+        ps.muon(0.05, split=lambda path, x: (4, 4) if "qkv" in path else None).init(params)  # sizes sum to 8, not 12
+    ps.muon(0.05, split=lambda path, x: 3 if "qkv" in path else None).init(params)
+
+
+def test_muon_adamw_split_compiled_on_flat_buffers_equals_eager_and_injected_stays_static():
+    """Same-shape leaves split differently are told apart on flat buffers; compiled and
+    donated equals eager, with no recompile; under inject_hyperparams a callable split is static."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(2)
+    params = {"layers.0.qkv": torch.randn(12, 4, generator=g), "layers.1.qkv": torch.randn(12, 4, generator=g),
+              "layers.0.proj": torch.randn(12, 4, generator=g), "layers.0.bias": torch.randn(4, generator=g)}
+    split = lambda path, x: 3 if path.endswith("qkv") else None  # noqa: E731
+    opt = ps.inject_hyperparams(ps.muon_adamw)(lr=0.05, ns_dtype=torch.float32, split=split)
+    compiled, eager = ps.make_update(opt, compile=True, donate=True), ps.make_update(opt)
+    p, s = {k: v.clone() for k, v in params.items()}, opt.init(params)
+    p_ref, s_ref = {k: v.clone() for k, v in params.items()}, opt.init(params)
+    for i in range(3):
+        grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+        with torch.compiler.set_stance("fail_on_recompile" if i else "default"):
+            compiled(p, grads, s)
+        p_ref, s_ref = eager(p_ref, grads, s_ref)
+    assert compiled.explain().startswith("flat"), compiled.explain()
+    groups = sorted(sorted(v) for v in compiled.layout().values())
+    assert ["layers.0.qkv", "layers.1.qkv"] in groups and ["layers.0.proj"] in groups, groups
+    for k in params:
+        torch.testing.assert_close(p[k], p_ref[k], rtol=1e-5, atol=1e-6)

@@ -53,6 +53,8 @@ from ._alias import lars as lars
 from ._alias import lion as lion
 from ._alias import sgd as sgd
 from ._muon import muon as muon
+from ._qk_clip import QKHeads as QKHeads
+from ._qk_clip import qk_clip as qk_clip
 from ._muon import muon_adamw as muon_adamw
 from ._schedule_free import schedule_free_adamw as schedule_free_adamw
 from ._sophia import sophia as sophia
@@ -237,6 +239,8 @@ __all__ = [
     # muon, schedule-free, sophia
     "muon",
     "muon_adamw",
+    "qk_clip",
+    "QKHeads",
     "schedule_free_adamw",
     "sophia",
     "scale_by_muon",

@@ -45,8 +45,10 @@ def _check_ema(ema: Any) -> tuple[Callable, Callable] | None:
     raise ValueError(f"ema must be an (init, update) pair such as ps.params_ema(0.999), got {ema!r}")
 
 
-def _apply(optimizer: Transform, params: Params, grads: PyTree, opt_state: OptState) -> tuple[Params, OptState, PyTree]:
-    updates, opt_state = optimizer.update(grads, opt_state, params)
+def _apply(
+    optimizer: Transform, params: Params, grads: PyTree, opt_state: OptState, extra: dict | None = None
+) -> tuple[Params, OptState, PyTree]:
+    updates, opt_state = optimizer.update(grads, opt_state, params, **(extra or {}))
     return tr.apply_updates(params, updates), opt_state, updates
 
 
@@ -115,13 +117,14 @@ class UpdateProgram:
     metrics: bool
     kind: ClassVar[str] = "update"  # grads come from the caller
 
-    def pure(self, params, grads, opt_state, ema_state=None, amp=None):
-        """-> (params, opt_state[, ema_state][, metrics]); amp: (grad_scale, found_inf) 0-d tensors."""
+    def pure(self, params, grads, opt_state, ema_state=None, amp=None, extra=None):
+        """-> (params, opt_state[, ema_state][, metrics]); amp: (grad_scale, found_inf) 0-d
+        tensors; extra: the transform's own keyword inputs (`hessian=`, `max_logits=`)."""
         averaging = self.averaging
         tr.check_match(grads, params, "grads", "params")
         if amp is not None:  # torch's fused AMP protocol: g / grad_scale, inside the same kernels
             grads = pytree.tree_map(lambda g: g / amp[0].to(g.dtype), grads)
-        new_params, new_state, _ = _apply(self.transform, params, grads, opt_state)
+        new_params, new_state, _ = _apply(self.transform, params, grads, opt_state, extra)
         new_ema = None if averaging is None else averaging[1](ema_state, new_params)
         if amp is not None:  # found_inf: nothing changes, params, state and EMA (counts included)
             skip = amp[1] > 0
@@ -137,20 +140,20 @@ class UpdateProgram:
             step_metrics["skipped"] = skipped | step_metrics["skipped"] if "skipped" in step_metrics else skipped
         return out + (step_metrics,)
 
-    def in_place(self, params, grads, opt_state, ema_state=None, amp=None):
-        out = self.pure(params, grads, opt_state, ema_state, amp)
+    def in_place(self, params, grads, opt_state, ema_state=None, amp=None, extra=None):
+        out = self.pure(params, grads, opt_state, ema_state, amp, extra)
         copy_into(params, out[0], "params")
         copy_into(opt_state, out[1], "opt_state")
         if self.averaging is not None:
             copy_into(ema_state, out[2], "ema_state")
         return out[-1] if self.metrics else None
 
-    def eager(self, params, grads, opt_state, ema_state=None, amp=None):
+    def eager(self, params, grads, opt_state, ema_state=None, amp=None, extra=None):
         # Uncompiled donation: the update goes into the params in place (`apply_in_place`:
         # a chain folds its decay and lr into the last transform's own in-place apply), and
         # state leaves not updated in place adopt the storage of their new values.
-        if amp is not None:  # a skip decided on the device: the pure update, selected, then copied in
-            return self.in_place(params, grads, opt_state, ema_state, amp)
+        if amp is not None or extra:  # a skip decided on the device, or inputs the in-place forms do not take
+            return self.in_place(params, grads, opt_state, ema_state, amp, extra)
         tr.check_match(grads, params, "grads", "params")
         new_state = apply_in_place(self.transform, grads, opt_state, params)
         taken = Taken(params, grads, opt_state, ema_state)
@@ -267,6 +270,9 @@ def make_update(
     `update(params, grads, opt_state) -> (params, opt_state)` applies `optimizer` once.
     With `ema=ps.params_ema(decay)` the averaged params are updated in the same call:
     `update(params, grads, opt_state, ema_state) -> (params, opt_state, ema_state)`.
+    Other keywords go to the transform's update as its own inputs (`update(..., hessian=h)`
+    for Sophia, `max_logits=` for `qk_clip`); a tree of them shaped like the params is packed
+    with the grads on flat buffers.
     `update(..., grad_scale=s, found_inf=f)` is torch's fused-optimizer AMP protocol
     (`torch.amp.GradScaler` sets `grad_scale` and `found_inf` on an optimizer whose
     `_step_supports_amp_scaling` is True): the update runs on `grads / s` and, where `f > 0`,
@@ -354,12 +360,15 @@ def make_update(
         *ema_state: Any,
         grad_scale: Tensor | None = None,
         found_inf: Tensor | None = None,
+        **inputs: Any,
     ) -> tuple:
         if len(ema_state) != (averaging is not None):
             want = "(params, grads, opt_state, ema_state)" if averaging else "(params, grads, opt_state)"
             raise TypeError(f"update takes {want}; got {3 + len(ema_state)} arguments")
         amp = _amp_inputs(grads, grad_scale, found_inf)
-        extra = {} if amp is None else {"amp": amp}
+        extra: dict[str, Any] = {} if amp is None else {"amp": amp}
+        if inputs:  # the transform's own keyword inputs, passed to its update
+            extra["extra"] = inputs
         if not donate:
             return pure(params, grads, opt_state, *ema_state, **extra)
         run = engine.path_for(params, grads)

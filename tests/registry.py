@@ -171,6 +171,8 @@ NOT_TRANSFORMS = {
     "params_ema", "params_swa", "Averager", "ParamsEmaState", "ParamsSwaState",
     "dynamic_loss_scale", "LossScaler", "DynamicLossScaleState",
     "muon_labels", "schedule_free_eval_params", "gnb_hessian",
+    # qk_clip names W_q and W_k by path and reads max_logits: checked in tests/core/test_qk_clip.py
+    "qk_clip", "QKHeads",
     "ScaleByMuonState", "ScaleByNorMuonState", "SOAPState", "ScheduleFreeState", "ScaleBySophiaState",
     "make_step", "make_update", "functional_model", "functional_ensemble",
     "stochastic_round", "quantize_blockwise", "dequantize_blockwise", "QuantizedTensor", "CompensatedUpdatesState",

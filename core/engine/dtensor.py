@@ -55,3 +55,13 @@ def local_tree(tree: Any) -> Any:
 def full_tree(tree: Any) -> Any:
     """Every DTensor leaf gathered into a whole plain tensor (a collective: call on every rank)."""
     return pytree.tree_map(lambda t: t.full_tensor() if is_dtensor(t) else t, tree)
+
+
+def replicated_like(t: Tensor, x: Any) -> Any:
+    """`t` (a plain tensor) as a replicated DTensor on `x`'s mesh when `x` is a DTensor, so that
+    elementwise math between them runs; `t` itself otherwise."""
+    if not is_dtensor(x):
+        return t
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    return distribute_tensor(t, x.device_mesh, [Replicate()] * x.device_mesh.ndim)

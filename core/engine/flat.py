@@ -21,7 +21,7 @@ from .. import _tree as tr
 from .compiling import compile_own
 from .donate import bind_tree, repoint_, write_back
 from .needs import plan
-from .packed import NotPacked, Packed, check_viewable
+from .packed import NotPacked, Packed, check_viewable, pack_like
 
 
 @dataclasses.dataclass
@@ -156,9 +156,11 @@ class FlatUpdate:
     def _compile(self, specs: list[pytree.TreeSpec], device: torch.device) -> Callable:
         pure, averaging, metrics = self.pure, self.averaging, self.metrics
 
-        def step(p, g, s, e, amp=None):
+        def step(p, g, s, e, amp=None, extra=None, like_params=()):
             trees = [pytree.tree_unflatten(x, sp) for x, sp in zip((p, g, s, e), specs)]
-            out = pure(trees[0], trees[1], trees[2], trees[3] if averaging is not None else None, amp)
+            if extra:  # the transform's own inputs; those shaped like the params packed as the grads are
+                extra = {k: pack_like(trees[0], v) if k in like_params else v for k, v in extra.items()}
+            out = pure(trees[0], trees[1], trees[2], trees[3] if averaging is not None else None, amp, extra)
             for dst, src in zip((p, s) + ((e,) if averaging is not None else ()), out):
                 write_back(dst, src)
             return out[-1] if metrics else None
@@ -190,18 +192,26 @@ class FlatUpdate:
         )
 
     # -- the step --------------------------------------------------------------
-    def __call__(self, params: Any, grads: Any, opt_state: Any, ema_state: Any = None, amp: Any = None) -> Any:
+    def __call__(
+        self, params: Any, grads: Any, opt_state: Any, ema_state: Any = None, amp: Any = None, extra: Any = None
+    ) -> Any:
         b = self.bound
         if b is None or self._params_moved(params):
             self._bind(params, opt_state, ema_state)
             b = self._bound()
         self._take_in_state(opt_state, ema_state)
         self._grads_in(self.local(grads))
-        # With torch's AMP inputs (0-d tensors, new ones each call) the same compiled step runs
-        # with them, outside any CUDA graph (a graph reads its inputs at fixed addresses).
-        out = _run(b, b.buffers) if amp is None else b.fn(*b.buffers, amp)
+        # With torch's AMP inputs (0-d tensors, new ones each call) or the transform's own
+        # inputs the same compiled step runs with them, outside any CUDA graph (a graph reads
+        # its inputs at fixed addresses).
+        if amp is None and not extra:
+            out = _run(b, b.buffers)
+        else:
+            extra = {k: self.local(v) for k, v in (extra or {}).items()}
+            like = tuple(sorted(k for k, v in extra.items() if pytree.tree_structure(v) == b.param_spec))
+            out = b.fn(*b.buffers, amp, extra, like)
         self.after_run()
-        if out is not None and amp is None and b.graph is not None:  # a CUDA graph rewrites its outputs on every replay
+        if out is not None and amp is None and not extra and b.graph is not None:  # a graph rewrites its outputs
             out = pytree.tree_map(lambda x: x.clone() if isinstance(x, Tensor) else x, out)
         return out
 

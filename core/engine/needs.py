@@ -22,6 +22,8 @@ transform runs while planning, so `explain()` can answer before the first call.
 - `reductions`: the tree-wide reductions it runs (named in `explain()`).
 - `flat`: why it cannot run on flat buffers at all (a string, or a function of the tree
   giving one or None), as state that is not shaped like the params.
+- `sharded`: why it cannot run on this rank's blocks of FSDP2 shards (math that needs a
+  row's place in the whole leaf): the sharded path declines, whole DTensors run it.
 - `parts(tree)`: for a transform built of others, each inner transform with the leaves it
   sees: None for the same tree, a list of bools for `{path: leaf}` of the leaves kept
   (what `masked` and `partition` hand their inner transforms).
@@ -83,6 +85,7 @@ class Needs:
     per_row_state: bool = False
     reductions: tuple[str, ...] = ()
     flat: str | Callable[[Any], str | None] | None = None
+    sharded: str | None = None
     parts: Callable[[Any], Sequence[tuple[Any, Sequence[bool] | None]]] | None = None
 
 
@@ -138,6 +141,7 @@ class Resolved:
 
     tags: list[tuple]  # per leaf: leaves of one buffer share every tag
     not_flat: str | None = None  # why no flat layout
+    not_sharded: str | None = None  # why not over shards
     per_row_state: bool = False
     reductions: set[str] = dataclasses.field(default_factory=set)
     whole_leaves: bool = False
@@ -182,6 +186,8 @@ def _resolve(transform: Any, tree: Any, index: list[int], out: Resolved) -> None
             out.tags[index[j]] += (_tag(v),)
             table[index[j]] = v
     out.per_row_state |= needs.per_row_state
+    if needs.sharded is not None and out.not_sharded is None:
+        out.not_sharded = needs.sharded
     out.reductions |= set(needs.reductions)
     if needs.parts is not None:
         for inner, keep in needs.parts(tree):
@@ -204,6 +210,8 @@ def plan(transform: Any, params: Any, *, tags: list[tuple] | None = None, shard:
     res = resolve(transform, pytree.tree_unflatten(meta, spec))
     if res.not_flat is not None:
         raise NotPacked(res.not_flat)
+    if shard is not None and res.not_sharded is not None:
+        raise NotPacked(res.not_sharded)
     extra = list(tags) if tags is not None else [() for _ in pairs]
     groups = group_leaves(pairs, [a + b for a, b in zip(extra, res.tags)])
     pack = PackSpec(groups, spec, meta, shard, per_row_state=res.per_row_state, rule_values=res.rule_values)

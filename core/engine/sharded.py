@@ -159,7 +159,9 @@ class ShardedEager:
     def layout(self) -> None:
         return None
 
-    def __call__(self, params: Any, grads: Any, opt_state: Any, ema_state: Any = None, amp: Any = None) -> None:
+    def __call__(
+        self, params: Any, grads: Any, opt_state: Any, ema_state: Any = None, amp: Any = None, extra: Any = None
+    ) -> None:
         pack, state_spec, ema_spec = self._plan(params)
 
         def packed(tree: Any, spec: Any, what: str) -> Any:
@@ -171,7 +173,12 @@ class ShardedEager:
         p = Packed(pack, pytree.tree_leaves(local_tree(params)))
         g = Packed(pack, tr.check_match(local_tree(grads), local_tree(params), "grads", "params"))
         e = packed(ema_state, ema_spec, "ema_state") if self.averaging is not None else None
-        return self.eager(p, g, packed(opt_state, state_spec, "opt_state"), e, amp)
+        spec = pytree.tree_structure(local_tree(params))
+        extra = {  # the transform's own inputs; those shaped like the params packed as the grads are
+            k: Packed(pack, pytree.tree_leaves(local_tree(v))) if pytree.tree_structure(v) == spec else v
+            for k, v in (extra or {}).items()
+        }
+        return self.eager(p, g, packed(opt_state, state_spec, "opt_state"), e, amp, extra)
 
 
 def _agree(ok: bool, params: Any, engine: Any) -> bool:

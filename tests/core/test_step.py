@@ -592,3 +592,29 @@ def test_make_update_takes_torchs_amp_protocol_grad_scale_and_found_inf(kw):
     assert int(ps.step_count(s)) == 3
     with pytest.raises(ValueError, match="grad_scale"):
         update(p, grads, s, grad_scale=2.0)
+
+
+@pytest.mark.parametrize("path", ["pure", "eager in place", "flat", "per-leaf compiled"])
+def test_make_update_hands_the_transforms_own_inputs_to_it_on_every_path(path):
+    # Sophia's `hessian=` through make_update, shaped like the params (packed with the grads on flat buffers).
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(4, 3, generator=g), "v": torch.randn(4, 3, generator=g), "b": torch.randn(3, generator=g)}
+    opt = ps.sophia(lr=0.05, weight_decay=0.1, update_every=2)
+    kw = {"pure": {}, "eager in place": dict(donate=True), "flat": dict(compile=True, donate=True),
+          "per-leaf compiled": dict(compile=True, donate=True, flat=False)}[path]
+    update = ps.make_update(opt, **kw)
+    p, s = {k: v.clone() for k, v in params.items()}, opt.init(params)
+    p_ref, s_ref = {k: v.clone() for k, v in params.items()}, opt.init(params)
+    for step in range(4):
+        grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+        hessian = {k: torch.rand(v.shape, generator=g) for k, v in params.items()}
+        p, s = update(p, {k: v.clone() for k, v in grads.items()}, s, hessian=hessian)
+        u, s_ref = opt.update(grads, s_ref, p_ref, hessian=hessian)
+        p_ref = ps.apply_updates(p_ref, u)
+    if path != "pure":
+        assert update.explain().startswith(path), update.explain()
+    for k in params:
+        torch.testing.assert_close(p[k], p_ref[k], rtol=1e-5, atol=1e-6)
+    for a, b in zip(ps.tree_leaves(s), ps.tree_leaves(s_ref)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -12,6 +12,8 @@ import inspect
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
 
 import purestep.core as ps
 
@@ -153,3 +155,33 @@ def build_optimizer(section: OptimizerConfig, lr: Any) -> ps.Transform:
     if section.clip_grad_norm is not None:
         transform = ps.chain(ps.clip_by_global_norm(section.clip_grad_norm), transform)
     return transform
+
+
+def qk_clip_for(model: Any, threshold: float) -> ps.Transform:
+    """`ps.qk_clip` over `model`'s attention heads (`model.qk_heads()`), with the model set to
+    record each head's max logit in its forward (`optimizer.qk_clip`)."""
+    if not callable(getattr(model, "qk_heads", None)) or not callable(getattr(model, "track_max_logits", None)):
+        raise ConfigError(
+            "optimizer.qk_clip",
+            "needs a model that reports its attention heads (qk_heads(), track_max_logits(), take_max_logits(), "
+            "as the built-in GPT)",
+        )
+    model.track_max_logits()
+    return ps.qk_clip(threshold, model.qk_heads())
+
+
+def nodes(tree: Any, cls: type) -> list[Any]:
+    """The `cls` states (NamedTuples) anywhere in a state tree."""
+    return [n for n in pytree.tree_leaves(tree, is_leaf=lambda x: isinstance(x, cls)) if isinstance(n, cls)]
+
+
+def holds(transform: ps.Transform, params: dict[str, Tensor], cls: type) -> bool:
+    """Whether `transform`'s state holds a `cls` state, found by initializing it on meta
+    tensors of the params' shapes (nothing allocated); a transform whose init needs real
+    data is initialized for real."""
+    meta = {k: torch.empty(p.shape, dtype=p.dtype, device="meta") for k, p in params.items()}
+    try:
+        state = transform.init(meta)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        state = transform.init(params)
+    return bool(nodes(state, cls))

@@ -11,6 +11,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from torch import Tensor
+
 from . import distributed as D
 from .errors import RunDirError
 
@@ -182,3 +184,8 @@ class StopSignals:
     def __exit__(self, *exc: Any) -> None:
         for s, handler in self.previous.items():
             signal.signal(s, handler)
+
+
+def read(t: Tensor | None) -> float | None:
+    """A 0-d device tensor on the host (a sync: only when a log line is due)."""
+    return None if t is None else float(t.full_tensor() if D.is_dtensor(t) else t)  # type: ignore[attr-defined]

@@ -40,13 +40,17 @@ class OptimizerConfig(_Section):  # type: ignore[misc]  # msgspec's frozen Struc
     a `*dtype` argument names a torch dtype (`ns_dtype = "bfloat16"`). `lr` is the peak
     learning rate the schedule shapes; any other `*_lr` keyword (`muon_adamw`'s
     `adamw_lr`) follows the same shape scaled to its own peak. `clip_grad_norm` chains
-    `ps.clip_by_global_norm` in front (None: no clipping).
+    `ps.clip_by_global_norm` in front (None: no clipping). `qk_clip` chains Kimi K2's QK-clip
+    after it (`ps.qk_clip`): each attention head's W_q and W_k are rescaled when its max
+    logit over the step's batch exceeds the threshold (None: off; needs a model that reports
+    its heads, as the built-in GPT does).
     """
 
     name: str = "adamw"
     lr: NonNegativeFloat = 3e-4
     kwargs: dict[str, Any] = {}
     clip_grad_norm: Union[Annotated[float, Meta(gt=0)], None] = 1.0
+    qk_clip: Union[Annotated[float, Meta(gt=0)], None] = None
 
 
 class ScheduleConfig(_Section):  # type: ignore[misc]  # msgspec's frozen Struct, not a dataclass

@@ -188,6 +188,13 @@ def all_reduce_sum(t: Tensor, world: World) -> Tensor:
     return t
 
 
+def all_reduce_max(t: Tensor, world: World) -> Tensor:
+    """`t`'s elementwise max over ranks (in place; returned)."""
+    if world.size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t
+
+
 def broadcast_object(obj: Any, world: World) -> Any:
     """Rank 0's `obj` on every rank."""
     if world.size == 1:

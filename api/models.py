@@ -7,11 +7,13 @@ Names follow the conventions `ps.muon_labels` and `ps.decay_mask` read: `embed.*
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+import purestep.core as ps
 
 from .errors import ConfigError
 
@@ -36,13 +38,27 @@ class Attention(nn.Module):
         self.n_heads = n_heads
         self.qkv = nn.Linear(dim, 3 * dim, bias=False)
         self.proj = nn.Linear(dim, dim, bias=False)
+        self.track_max_logits = False  # QK-clip: record each head's max pre-softmax logit
+        self.max_logits: Tensor | None = None  # (heads,), the max over the forwards since the last take
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         B, T, C = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, C // self.n_heads).permute(2, 0, 3, 1, 4)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.track_max_logits:
+            self._record_max_logits(q, k)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+    @torch.no_grad()
+    def _record_max_logits(self, q: Tensor, k: Tensor) -> None:
+        """Each head's max of q·k/√d over the causal positions of this batch (one more q·kᵀ
+        than the fused attention computes: the price of an exact max)."""
+        T = q.shape[2]
+        scores = (q @ k.transpose(-2, -1)).float() * (q.shape[-1] ** -0.5)  # (B, H, T, T)
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        now = scores.masked_fill(~causal, float("-inf")).amax(dim=(0, 2, 3))
+        self.max_logits = now if self.max_logits is None else torch.maximum(self.max_logits, now)
 
 
 class SwiGLU(nn.Module):
@@ -115,6 +131,35 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x, self.rope_cos, self.rope_sin)
         return self.lm_head(self.norm(x))
+
+    def qk_heads(self) -> dict[str, ps.QKHeads]:
+        """Where each block's W_q and W_k are in its fused `qkv` weight, for `ps.qk_clip`."""
+        d = self.dim
+        return {
+            f"blocks.{i}.attn": ps.QKHeads(
+                q=f"blocks.{i}.attn.qkv.weight",
+                k=f"blocks.{i}.attn.qkv.weight",
+                heads=cast(Attention, cast(Block, b).attn).n_heads,
+                q_rows=(0, d),
+                k_rows=(d, 2 * d),
+            )
+            for i, b in enumerate(self.blocks)
+        }
+
+    def track_max_logits(self, on: bool = True) -> None:
+        """Record each attention head's max pre-softmax logit in every forward (for QK-clip)."""
+        for b in self.blocks:
+            cast(Attention, cast(Block, b).attn).track_max_logits = on
+
+    def take_max_logits(self) -> dict[str, Tensor]:
+        """The max logits recorded since the last take, `{"blocks.{i}.attn": (heads,)}`, and reset."""
+        out = {}
+        for i, b in enumerate(self.blocks):
+            attn = cast(Attention, cast(Block, b).attn)
+            if attn.max_logits is not None:
+                out[f"blocks.{i}.attn"] = attn.max_logits
+            attn.max_logits = None
+        return out
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6 per matmul weight plus attention (PaLM, appendix B)."""

@@ -32,32 +32,12 @@ import purestep.core as ps
 from . import _run_dir as run_dir
 from . import distributed as D
 from ._report import Progress, StopSignals, log
+from ._build import holds, nodes, qk_clip_for
+from ._report import read
 from .config import TrainConfig, refuse_ignored
 from .errors import CheckpointError, ConfigError, RunDirError
 from .data import batch_rows, build_data, check_rows, eval_batches, is_step_indexed, to_device, train_batches
 from .models import build_model, lm_loss, peak_flops
-
-
-def _nodes(tree: Any, cls: type) -> list[Any]:
-    """The `cls` states (NamedTuples) anywhere in a state tree."""
-    return [n for n in pytree.tree_leaves(tree, is_leaf=lambda x: isinstance(x, cls)) if isinstance(n, cls)]
-
-
-def _holds(transform: ps.Transform, params: dict[str, Tensor], cls: type) -> bool:
-    """Whether `transform`'s state holds a `cls` state, found by initializing it on meta
-    tensors of the params' shapes (nothing allocated); a transform whose init needs real
-    data is initialized for real."""
-    meta = {k: torch.empty(p.shape, dtype=p.dtype, device="meta") for k, p in params.items()}
-    try:
-        state = transform.init(meta)
-    except (RuntimeError, NotImplementedError, TypeError, ValueError):
-        state = transform.init(params)
-    return bool(_nodes(state, cls))
-
-
-def _read(t: Tensor | None) -> float | None:
-    """A 0-d device tensor on the host (a sync: only when a log line is due)."""
-    return None if t is None else float(t.full_tensor() if D.is_dtensor(t) else t)  # type: ignore[attr-defined]
 
 
 class Trainer:
@@ -138,10 +118,14 @@ class Trainer:
         if transform is None:
             transform = cfg.build_optimizer()
         elif cfg.optimizer.clip_grad_norm is not None:
-            if _holds(transform, params, ps.ClipByGlobalNormState):
+            if holds(transform, params, ps.ClipByGlobalNormState):
                 raise ConfigError("optimizer.clip_grad_norm", "the given transform clips already; set it to None")
             transform = ps.chain(ps.clip_by_global_norm(cfg.optimizer.clip_grad_norm), transform)
-        if cfg.bf16_params and not _holds(transform, params, ps.CompensatedUpdatesState):
+        self.qk = cfg.optimizer.qk_clip is not None  # QK-clip: the model reports its heads' max logits
+        self.max_logit: Tensor | None = None
+        if self.qk:
+            transform = ps.chain(transform, qk_clip_for(D.unwrap(self.module), cast(float, cfg.optimizer.qk_clip)))
+        if cfg.bf16_params and not holds(transform, params, ps.CompensatedUpdatesState):
             transform = ps.chain(transform, ps.compensated_updates())  # last: it sees the final update
         self.transform = ps.apply_if_finite(transform)
         if ema is None and cfg.ema_decay:
@@ -222,9 +206,17 @@ class Trainer:
         rows = batch_rows(batch)
         return out * rows, torch.tensor(rows, device=self.world.device)
 
+    def _max_logits(self) -> dict[str, Tensor]:
+        """Each head's max logit over this step's batch on every rank (one all-reduce MAX)."""
+        got = cast(Any, D.unwrap(self.module)).take_max_logits()
+        names = list(got)
+        both = D.all_reduce_max(torch.stack([got[n] for n in names]), self.world)
+        self.max_logit = both.max()  # logged
+        return dict(zip(names, both.unbind(0)))
+
     def _clocks(self) -> list[Tensor]:
         """The step counters the injected schedules read."""
-        return [s.count for s in _nodes(self.opt_state, ps.InjectHyperparamsState)]
+        return [s.count for s in nodes(self.opt_state, ps.InjectHyperparamsState)]
 
     def _progress(self) -> float:
         done, budget = self.loop.step / self.config.steps, self.config.time_budget
@@ -271,7 +263,8 @@ class Trainer:
                 for clock in self._clocks():
                     clock.fill_(int(self._progress() * self.config.steps))
             params = self.params()
-            out = self.update(params, grads, self.opt_state, *(() if self.ema is None else (self.ema,)))
+            inputs = {"max_logits": self._max_logits()} if self.qk else {}
+            out = self.update(params, grads, self.opt_state, *(() if self.ema is None else (self.ema,)), **inputs)
             self.opt_state, self.ema = out[1], (out[2] if self.ema is not None else None)
             metrics, last = out[-1], self.update_metrics
             if "skipped" in metrics and "grad_norm" in last:  # a skipped update keeps the last applied one's norm
@@ -299,7 +292,7 @@ class Trainer:
 
     def nonfinite(self) -> Tensor:
         """How many steps `apply_if_finite` skipped for non-finite gradients (a device tensor)."""
-        return _nodes(self.opt_state, ps.ApplyIfFiniteState)[0].total_notfinite
+        return nodes(self.opt_state, ps.ApplyIfFiniteState)[0].total_notfinite
 
     @property
     def updates(self) -> int:
@@ -308,7 +301,7 @@ class Trainer:
 
     def lr(self) -> float | None:
         """The injected `lr` the last update used (None when the transform injects none)."""
-        return _read(ps.get_hyperparams(self.opt_state).get("lr"))
+        return read(ps.get_hyperparams(self.opt_state).get("lr"))
 
     # ------------------------------------------------------------------ #
     # Evaluation.
@@ -371,14 +364,16 @@ class Trainer:
         norm = self.update_metrics.get("grad_norm")  # the last update's (a skipped spike applies none)
         line = {
             "step": self.loop.step,
-            "loss": _read(record.get("loss")),
+            "loss": read(record.get("loss")),
             "lr": self.lr(),
-            "grad_norm": _read(norm),
+            "grad_norm": read(norm),
             "tokens_per_s": tok_s,
             "time": self.loop.elapsed,
         }
         if self.flops_per_token and self.peak_flops:
             line["mfu"] = self.flops_per_token * tok_s / (self.peak_flops * self.world.size)
+        if self.qk and self.max_logit is not None:
+            line["max_logit"] = read(self.max_logit)  # before this step's clip
         nonfinite = int(self.nonfinite())
         if nonfinite > self.nonfinite_logged:
             event = {"step": self.loop.step, "event": "skip_nonfinite", "skipped": nonfinite - self.nonfinite_logged}
@@ -445,9 +440,9 @@ class Trainer:
                 bar.step(self.loop.step)
                 if record.get("event") == "skip_spike":
                     self.run.metrics.write(
-                        {"step": self.loop.step, "event": "skip_spike", "loss": _read(record["loss"])}
+                        {"step": self.loop.step, "event": "skip_spike", "loss": read(record["loss"])}
                     )
-                    log(f"step {self.loop.step}: loss spike skipped (loss {_read(record['loss']):.4g})")
+                    log(f"step {self.loop.step}: loss spike skipped (loss {read(record['loss']):.4g})")
                     if self.loop.spikes >= cfg.spike_rewind:
                         self.run.metrics.write({"step": self.loop.step, "event": "rewind", **self.rewind()})
                 if due and "loss" in record:

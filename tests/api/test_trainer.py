@@ -505,3 +505,58 @@ def test_the_trainer_inspects_a_given_transform_on_meta_tensors_and_allocates_on
     t = Trainer(None, given, None, cfg)
     assert devices.count("cpu") == 1 and devices.count("meta") == 2, devices  # clip looked for, compensation looked for
     assert len([n for n in ps.tree_leaves(t.opt_state)]) > 0
+
+
+# --------------------------------------------------------------------------- #
+# QK-clip: optimizer.qk_clip.
+# --------------------------------------------------------------------------- #
+
+
+def _head_max_logits(model, batch) -> torch.Tensor:
+    """Each block's heads' max pre-softmax logit on `batch`, computed here from the weights."""
+    import math
+
+    x = model.embed(batch["input"])
+    out = []
+    for block in model.blocks:
+        h = block.attn_norm(x)
+        B, T, C = h.shape
+        H = block.attn.n_heads
+        q, k, _ = block.attn.qkv(h).view(B, T, 3, H, C // H).permute(2, 0, 3, 1, 4)
+        from purestep.api.models import apply_rope
+
+        q, k = apply_rope(q, model.rope_cos, model.rope_sin), apply_rope(k, model.rope_cos, model.rope_sin)
+        s = (q @ k.transpose(-2, -1)) / math.sqrt(C // H)
+        s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+        out.append(s.amax(dim=(0, 2, 3)))
+        x = block(x, model.rope_cos, model.rope_sin)
+    return torch.stack(out)
+
+
+def test_qk_clip_in_the_trainer_caps_each_heads_max_logit_and_equals_a_bare_loop():
+    """optimizer.qk_clip=τ: the GPT records each head's max logit in its forward, the Trainer
+    hands them (all-reduced) to ps.qk_clip chained after the optimizer. With lr 0 the clip alone
+    moves the weights: the heads above τ come out at τ exactly, the others as they were."""
+    cfg = tiny_config("steps=1", "checkpoint_every=0", "ema_decay=none", "optimizer.name=adamw", "optimizer.kwargs={}",
+                      "optimizer.lr=0.0", "schedule.warmup_steps=0")
+    torch.manual_seed(cfg.seed)
+    probe_model, data = build_model(cfg.model), build_data(cfg)
+    batch = data.batch(0)
+    with torch.no_grad():
+        before = _head_max_logits(probe_model, batch)
+    tau = float(before.median())
+    t = Trainer(config=apply_overrides(cfg, [f"optimizer.qk_clip={tau}"]), progress=False)
+    t.fit()
+    with torch.no_grad():
+        after = _head_max_logits(D_unwrap(t), batch)
+    torch.testing.assert_close(after, torch.clamp(before, max=tau), rtol=1e-4, atol=1e-4)
+    assert bool((before > tau).any()) and "max_logit" in t.last
+    # A model that does not report its heads is refused naming the field.
+    with pytest.raises(ConfigError, match="optimizer.qk_clip"):
+        _linear_run(apply_overrides(TrainConfig(), ["steps=1", "batch_size=8", "optimizer.qk_clip=50.0"]), ps.sgd(0.1))
+
+
+def D_unwrap(t):
+    from purestep.api import distributed as D
+
+    return D.unwrap(t.module)

@@ -101,7 +101,7 @@ def with_needs(transform: Any, needs: Needs) -> Any:
         >>> import torch, purestep.core as ps
         >>> t = ps.with_needs(ps.Transform(lambda p: (), lambda g, s, p=None, **e: (g, s)), ps.Needs())
         >>> ps.needs_of(t)
-        Needs(whole_leaves=False, stacks=True, rules=(), per_row_state=False, reductions=(), flat=None, parts=None)
+        Needs(whole_leaves=False, stacks=True, rules=(), per_row_state=False, reductions=(), flat=None, sharded=None, parts=None)
     """
     if not isinstance(needs, Needs):
         raise ValueError(f"needs must be a ps.Needs, got {type(needs).__name__}")

@@ -19,6 +19,11 @@ The model is `purestep.api.models.GPT` (dim 128, 24 blocks: 5.2M params in 147 t
   step time against that one process.
 - `collectives`: collectives per step of the compiled clip + AdamW + apply_if_finite step and
   of Muon, at 24 and 6 blocks (they must not grow with the tensor count).
+- `tp`: FSDP2 beside tensor parallelism on a (dp 2, tp 2) mesh: each block's `attn.proj` and
+  `mlp.down` row-parallel over `mesh["tp"]`, then `fully_shard` over `mesh["dp"]` (params on
+  two meshes). purestep's step runs on whole DTensors there (the per-leaf DTensor path):
+  clip + AdamW + apply_if_finite, and AdamW alone against `AdamW(fused=True)` (torch's own
+  `clip_grad_norm_` refuses the mixed meshes), with the equality check of AdamW alone.
 
 4 ranks on a 2-core machine oversubscribe it: only ratios measured in one run compare.
 """
@@ -171,6 +176,65 @@ def part_muon(mesh, args) -> list[str]:
     ]
 
 
+def build_tp(n_layers: int = 24, dim: int = 128) -> torch.nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = GPT(dim=dim, n_layers=n_layers, n_heads=4, seq_len=64)
+    plan = {f"blocks.{i}.{m}": RowwiseParallel(input_layouts=Replicate()) for i in range(n_layers) for m in ("attn.proj", "mlp.down")}
+    parallelize_module(model, mesh["tp"], plan)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def part_tp(mesh, args) -> list[str]:
+    def step_of(transform):
+        model = build_tp()
+        params, grads = dict(model.named_parameters()), grads_of(model)
+        state, update = transform.init(params), ps.make_update(transform, compile=True, donate=True)
+        return (lambda: update(params, grads, state)), update, model
+
+    clipped, update, model = step_of(recipe())
+    plain, _, _ = step_of(ps.adamw(1e-4, weight_decay=0.1))
+    theirs = build_tp()
+    grads_of(theirs)
+    fused = torch.optim.AdamW(theirs.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+    fns = {"purestep clip+AdamW+apply_if_finite (whole DTensors)": clipped, "purestep AdamW (whole DTensors)": plain,
+           "torch AdamW(fused=True), no clip (clip_grad_norm_ refuses the meshes)": fused.step}
+    medians = [interleaved(fns, args.steps) for _ in range(args.reps)]
+    ours, _, ours_model = step_of(ps.adamw(1e-4, weight_decay=0.1))
+    ref = build_tp()
+    ref_grads = grads_of(ref)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+    for _ in range(args.check):
+        ours()
+        for p, g in zip(ref.parameters(), ref_grads.values()):
+            p.grad = g
+        opt.step()
+    with torch.no_grad():
+        worst = max(float((a.full_tensor() - b.full_tensor()).abs().max() / b.full_tensor().abs().max().clamp(min=1e-12))
+                    for a, b in zip(ours_model.parameters(), ref.parameters()))
+    if dist.get_rank() != 0:
+        return []
+    fused_ms = statistics.median(m[list(fns)[2]] for m in medians) * 1e3
+    n = sum(p.numel() for p in model.parameters())
+    lines = [f"### FSDP2 beside TP on (dp 2, tp 2), {n / 1e6:.1f}M params ({len(list(model.parameters()))} tensors)", "",
+             f"`explain()`: {update.explain()}", "", "| contender | median ms (spread over reps) | / fused |", "|---|---|---|"]
+    for name in fns:
+        per_rep = [m[name] * 1e3 for m in medians]
+        ms = statistics.median(per_rep)
+        lines.append(f"| {name} | {ms:.1f} ({min(per_rep):.1f}-{max(per_rep):.1f}) | {ms / fused_ms:.2f} |")
+    lines += ["", f"Equality of AdamW alone after {args.check} steps from the same params and grads: largest relative "
+              f"difference of the params {worst:.2e} (float32).", ""]
+    return lines
+
+
 def part_collectives(mesh, args) -> list[str]:
     rows = []
     for layers in (24, 6):
@@ -188,7 +252,7 @@ def main() -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--parts", nargs="+", default=["step", "muon", "collectives"], choices=["step", "muon", "collectives"])
+    ap.add_argument("--parts", nargs="+", default=["step", "muon", "collectives"], choices=["step", "muon", "collectives", "tp"])
     ap.add_argument("--steps", type=int, default=10, help="interleaved steps per repeat (median)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--check", type=int, default=5, help="steps of the equality check")
@@ -200,7 +264,7 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     lines: list[str] = []
     for part in args.parts:
-        lines += {"step": part_step, "muon": part_muon, "collectives": part_collectives}[part](mesh, args)
+        lines += {"step": part_step, "muon": part_muon, "collectives": part_collectives, "tp": part_tp}[part](mesh, args)
     if dist.get_rank() == 0:
         head = [
             f"# The step on an HSDP mesh ({datetime.date.today()})",

@@ -9,6 +9,8 @@ CPU math may run leaf by leaf instead, `cache_blocks` in blocks of leaves that s
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any, Sequence
 
 import torch
@@ -42,13 +44,24 @@ def _one_mesh(xs: Sequence[Tensor]) -> bool:
     return mesh is not None and all(getattr(x, "device_mesh", None) == mesh for x in xs)
 
 
-def local_scalars(xs: list[Tensor]) -> list[Tensor]:
-    """0-d per-leaf results as plain tensors: a DTensor's (Partial or Replicate, on its own
-    mesh) reduced to its full value, so that results of several meshes stack and add (the
-    per-leaf DTensor path, FSDP beside TP). Plain tensors pass as they are."""
-    if all(type(x) in _PLAIN for x in xs):
-        return xs
-    return [x.full_tensor() if hasattr(x, "full_tensor") else x for x in xs]
+def sum_scalars(xs: list[Tensor]) -> Tensor:
+    """Σ of 0-d per-leaf results (partial sums), as one 0-d tensor. Plain tensors, or DTensors
+    of one mesh and placement, stack and add as they are; DTensors of several (the per-leaf
+    DTensor path: FSDP beside TP, TP beside plain params) add within each mesh and placement
+    first, then each group's sum is reduced to its full value: one collective per group, not
+    per leaf."""
+    groups: dict[tuple, list[Tensor]] = {}
+    for x in xs:
+        mesh = getattr(x, "device_mesh", None)
+        key = (id(mesh), tuple(getattr(x, "placements", ()))) if mesh is not None else ("plain",)
+        groups.setdefault(key, []).append(x)
+    if len(groups) <= 1:
+        return torch.stack(list(xs)).sum()
+    parts = []
+    for key, group in groups.items():
+        total = functools.reduce(torch.add, group)
+        parts.append(total.full_tensor() if key != ("plain",) else total)  # type: ignore[attr-defined]
+    return torch.stack(parts).sum()
 
 
 def _owned_inplace(xs: list[Tensor]) -> bool:
@@ -400,8 +413,11 @@ def global_norm(xs: list[Tensor]) -> Tensor:
     if not xs:
         return torch.zeros((), dtype=torch.float32)
     acc = torch.float64 if any(x.dtype == torch.float64 for x in xs) else torch.float32
-    per_leaf = [n.to(acc) for n in local_scalars(norms(xs))]
-    return torch.linalg.vector_norm(torch.stack(per_leaf))
+    if type(xs[0]) in _PLAIN or _one_mesh(xs):
+        return torch.linalg.vector_norm(torch.stack([n.to(acc) for n in norms(xs)]))
+    # DTensors of several meshes (or beside plain tensors): Σx² per leaf is a partial sum that
+    # adds within a mesh (a norm's partial placement does not), one collective per mesh.
+    return torch.sqrt(sum_scalars([torch.sum(torch.square(x.to(acc))) for x in xs]))
 
 
 def where(cond: Tensor, xs: list[Tensor], ys: list[Tensor]) -> list[Tensor]:
@@ -423,11 +439,13 @@ def nonfinite_count(xs: list[Tensor]) -> Tensor:
         return (~torch.isfinite(torch.stack(ends))).any(dim=1).sum()
     # Under FSDP2 on whole DTensors, the per-leaf counts of sharded and replicated leaves are
     # Partial(sum) and Replicate DTensors, which add; flags would not combine.
-    counts = local_scalars([(~torch.isfinite(x)).sum() for x in xs])
-    bad = counts[0]
-    for c in counts[1:]:
-        bad = bad + c
-    return bad
+    counts = [(~torch.isfinite(x)).sum() for x in xs]
+    if _one_mesh(xs):
+        bad = counts[0]
+        for c in counts[1:]:
+            bad = bad + c
+        return bad
+    return sum_scalars(counts)  # several meshes: one collective per mesh and placement
 
 
 def all_finite(xs: list[Tensor]) -> Tensor:

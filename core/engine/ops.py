@@ -111,8 +111,9 @@ def global_sums(tree: Any, *lists: Sequence[Tensor]) -> list[Tensor]:
     parts = []
     for xs in lists:
         sums = [torch.sum(x, dtype=acc) for x in xs]
-        if shard is None:
-            sums = ls.local_scalars(sums)  # whole DTensors (the per-leaf path): each sum's full value
+        if shard is None and sums:  # plain leaves, or whole DTensors of any meshes (the per-leaf path)
+            parts.append(ls.sum_scalars(sums))
+            continue
         if weights is not None:  # a buffer of replicated leaves is counted on rank 0 only
             sums = [s * w for s, w in zip(sums, weights)]
         parts.append(

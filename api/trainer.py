@@ -254,6 +254,7 @@ class Trainer:
         loss = total[0] / n
         grads = {k: p.grad if p.grad is not None else torch.zeros_like(p) for k, p in self.named.items()}
         record: dict[str, Any] = {"loss": loss, "tokens": total[1]}
+        logits = self._max_logits() if self.qk else None  # this step's forwards' (a skipped step drops them)
         if self.config.spike_factor and self._spiked(float(loss)):
             record["event"] = "skip_spike"
         else:
@@ -263,7 +264,7 @@ class Trainer:
                 for clock in self._clocks():
                     clock.fill_(int(self._progress() * self.config.steps))
             params = self.params()
-            inputs = {"max_logits": self._max_logits()} if self.qk else {}
+            inputs = {"max_logits": logits} if logits is not None else {}
             out = self.update(params, grads, self.opt_state, *(() if self.ema is None else (self.ema,)), **inputs)
             self.opt_state, self.ema = out[1], (out[2] if self.ema is not None else None)
             metrics, last = out[-1], self.update_metrics
@@ -318,6 +319,8 @@ class Trainer:
                 ls, n = self._loss(self._inputs(batch))
             total += torch.stack([ls.double(), n.double()])
         self.model.train()
+        if self.qk:  # the eval forwards' max logits drive no clip
+            cast(Any, D.unwrap(self.module)).take_max_logits()
         loss_sum, n = D.all_reduce_sum(total, w).tolist()
         if n == 0:
             raise ValueError(

@@ -72,7 +72,7 @@ def inject_hyperparams(
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         arguments = dict(bound.arguments)
-        probe = factory(**arguments)  # validated now, with the values as given; its needs are this one's
+        factory(**arguments)  # validated now, with the values as given
         dynamic = {k: v for k, v in arguments.items() if k not in static_names and _injectable(v)}
         static = {k: v for k, v in arguments.items() if k not in dynamic}
 
@@ -102,6 +102,10 @@ def inject_hyperparams(
             inner_state = apply_in_place(factory(**hp, **static), grads, state.inner_state, params, a, b)
             return InjectHyperparamsState(state.count + 1, hp, inner_state)
 
+        # Its needs are those of the transform each update builds: from the injected values as
+        # 0-d tensors, as at run time (a factory may branch on a value's type: a float 0.0
+        # decay leaves out a masked decay that a tensor keeps).
+        probe = factory(**values(zero_count(torch.device("cpu")), None), **static)
         t = Transform(init, with_in_place(update, apply_=apply_))
         return with_needs(t, Needs(parts=lambda tree: [(probe, None)]))
 

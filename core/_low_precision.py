@@ -458,7 +458,9 @@ def compensated_updates(*, method: str = "kahan") -> Transform:
         new_state = CompensatedUpdatesState(state.count + 1, pytree.tree_unflatten(new_cs, spec))
         return pytree.tree_unflatten(out, spec), new_state
 
-    def flat(tree: Any) -> str | None:  # a 0-d placeholder per 32-bit leaf: not shaped like the params
+    def flat(tree: Any) -> str | None:  # placeholders (0-d, or (0,) without Kahan) are not shaped like the params
+        if method != "kahan":
+            return f"compensated_updates(method={method!r}) keeps an empty placeholder per leaf, not a buffer"
         narrow = all(x.dtype in (torch.bfloat16, torch.float16) for x in pytree.tree_leaves(tree))
         return None if narrow else "compensated_updates keeps a 0-d placeholder for each leaf that is not 16-bit"
 

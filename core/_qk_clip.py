@@ -69,8 +69,10 @@ def qk_clip(threshold: float, attention: Mapping[str, QKHeads]) -> Transform:
     logit S_h exceeds τ = `threshold`, γ_h = τ / S_h and the updated weights are
     W_q^h ← W_q^h·√γ_h, W_k^h ← W_k^h·√γ_h, so that its logits scale by γ_h (Kimi K2); with
     GQA a key head shared by several query heads takes √(min γ) of its group and each query
-    head the rest of its own γ_h. Other rows and params, and every head at or below τ, keep
-    the update as it is; without `max_logits` the transform passes the updates through.
+    head the rest of its own γ_h (so a head at or below τ whose key head was scaled down gets
+    its W_q rows scaled up by as much: its logits stay as they were). Other rows and params,
+    and heads whose key head is not scaled, keep the update as it is; a non-finite max logit
+    clips nothing; without `max_logits` the transform passes the updates through.
     Chain it last: `ps.chain(ps.muon_adamw(...), ps.qk_clip(100.0, attention))`.
 
     Biases are not rescaled (the logit scales by γ_h exactly for projections without bias).
@@ -122,7 +124,8 @@ def qk_clip(threshold: float, attention: Mapping[str, QKHeads]) -> Transform:
             if s.numel() != a.heads:
                 raise ValueError(f"qk_clip: max_logits['{name}'] has {s.numel()} values for {a.heads} heads")
             kv = a.kv_heads if a.kv_heads is not None else a.heads
-            gamma = torch.where(s > tau, tau / s.clamp(min=tau), torch.ones_like(s))  # 1 at or below τ
+            # 1 at or below τ, and for a non-finite logit (a broken step, not a scale to apply)
+            gamma = torch.where((s > tau) & torch.isfinite(s), tau / s.clamp(min=tau), torch.ones_like(s))
             shared = gamma.view(kv, a.heads // kv).amin(dim=1)  # a key head: its group's smallest γ
             k_scale = torch.sqrt(shared)
             q_scale = gamma / k_scale.repeat_interleave(a.heads // kv)

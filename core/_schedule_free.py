@@ -129,7 +129,7 @@ def schedule_free(
         new = ScheduleFreeState(state.count + 1, beta1, weight_sum, max_lr, pytree.tree_unflatten(z, spec), base_state)
         return pytree.tree_unflatten(out, spec), new
 
-    return with_needs(Transform(init, update), Needs())
+    return with_needs(Transform(init, update), Needs(parts=lambda tree: [(base, None)]))
 
 
 def _states(tree: Any) -> Iterator[ScheduleFreeState]:

@@ -143,6 +143,9 @@ def leaf_norms(tree: Any, *lists: Sequence[Tensor]) -> list[Tensor] | list[list[
         out = [ls.member_norms(list(xs), flags) for xs in lists]
         return out[0] if len(lists) == 1 else out
     every = [x for xs in lists for x in xs]
+    if not every:  # an empty selection (a masked or partition branch with no leaves)
+        empty: list[list[Tensor]] = [[] for _ in lists]
+        return empty if len(lists) > 1 else []
     acc = torch.float64 if any(x.dtype == torch.float64 for x in every) else torch.float32
     weights = shard.member_weights(tree.pack_spec, acc, every[0].device)
     parts = [
@@ -172,6 +175,8 @@ def leaf_sums(tree: Any, xs: Sequence[Tensor]) -> list[Tensor]:
     shard = _shard(tree)
     if shard is None:
         return ls.member_sums(list(xs), flags)
+    if not xs:  # an empty selection
+        return []
     parts = [
         torch.sum(x, dim=tuple(range(1, x.dim())), dtype=torch.float64)
         if s

@@ -154,7 +154,7 @@ class ShardedEager:
             self.why_not, ok = e.reason, False
         except ValueError as e:  # a placement or mesh the sharded path does not take
             self.why_not, ok = str(e), False
-        return _agree(ok, params, self)
+        return _agree(ok, params, self) if agree else ok
 
     def layout(self) -> None:
         return None

@@ -551,6 +551,8 @@ def test_qk_clip_in_the_trainer_caps_each_heads_max_logit_and_equals_a_bare_loop
         after = _head_max_logits(D_unwrap(t), batch)
     torch.testing.assert_close(after, torch.clamp(before, max=tau), rtol=1e-4, atol=1e-4)
     assert bool((before > tau).any()) and "max_logit" in t.last
+    t.evaluate(1)  # an evaluation's forwards record no logits for the next step's clip
+    assert D_unwrap(t).take_max_logits() == {}
     # A model that does not report its heads is refused naming the field.
     with pytest.raises(ConfigError, match="optimizer.qk_clip"):
         _linear_run(apply_overrides(TrainConfig(), ["steps=1", "batch_size=8", "optimizer.qk_clip=50.0"]), ps.sgd(0.1))

@@ -355,3 +355,29 @@ def test_fourth_release_families_run_compiled_on_flat_buffers_equal_to_eager_wit
     for k in params:
         torch.testing.assert_close(p[k], p_ref[k], rtol=1e-5, atol=1e-6, msg=k)
     torch.testing.assert_close(ps.tree_get(s, "estim_lr"), ps.tree_get(s_ref, "estim_lr"), rtol=1e-5, atol=0)
+
+
+def test_declarations_follow_what_runs_injected_zero_decay_masks_schedule_free_bases_and_placeholder_state():
+    """Found in review: the planner reads the declarations of the transform that runs."""
+    torch._dynamo.reset()
+    from purestep.core.engine import needs
+
+    params = _tree(1, 0, dtype=torch.float32)
+    # inject_hyperparams: a float 0.0 decay builds no masked decay, the injected tensor one does.
+    injected = ps.inject_hyperparams(ps.adamw)(lr=1e-2, weight_decay=0.0, mask=ps.decay_mask)
+    # schedule_free over a base with a masked decay: the base's rule is read too.
+    sf = ps.schedule_free(ps.chain(ps.scale_by_adam(0.0), ps.add_decayed_weights(0.1, mask=ps.decay_mask),
+                                   ps.scale_by_lr(0.1)), lr=0.1)
+    for opt in (injected, sf):
+        assert len(needs.plan(opt, params).groups) == 2  # decayed and not
+        got, want, fast = _run(opt, n_steps=2, dtype=torch.float32)
+        assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
+        assert fast.layout() is not None
+    # compensated_updates without Kahan keeps (0,) placeholders: declared per leaf.
+    bf16 = {k: v.to(torch.bfloat16) for k, v in params.items()}
+    stochastic = ps.chain(ps.sgd(0.1), ps.compensated_updates(method="stochastic"))
+    with pytest.raises(Exception, match="placeholder"):
+        needs.plan(stochastic, bf16)
+    update = ps.make_update(stochastic, compile=True, donate=True)
+    update({k: v.clone() for k, v in bf16.items()}, {k: torch.ones_like(v) for k, v in bf16.items()}, stochastic.init(bf16))
+    assert update.explain().startswith("per-leaf compiled"), update.explain()

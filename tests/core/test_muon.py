@@ -478,18 +478,22 @@ def test_muon_adamw_split_compiled_on_flat_buffers_equals_eager_and_injected_sta
     g = torch.Generator().manual_seed(2)
     params = {"layers.0.qkv": torch.randn(12, 4, generator=g), "layers.1.qkv": torch.randn(12, 4, generator=g),
               "layers.0.proj": torch.randn(12, 4, generator=g), "layers.0.bias": torch.randn(4, generator=g)}
-    split = lambda path, x: 3 if path.endswith("qkv") else None  # noqa: E731
-    opt = ps.inject_hyperparams(ps.muon_adamw)(lr=0.05, ns_dtype=torch.float32, split=split)
-    compiled, eager = ps.make_update(opt, compile=True, donate=True), ps.make_update(opt)
-    p, s = {k: v.clone() for k, v in params.items()}, opt.init(params)
-    p_ref, s_ref = {k: v.clone() for k, v in params.items()}, opt.init(params)
-    for i in range(3):
-        grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
-        with torch.compiler.set_stance("fail_on_recompile" if i else "default"):
-            compiled(p, grads, s)
-        p_ref, s_ref = eager(p_ref, grads, s_ref)
-    assert compiled.explain().startswith("flat"), compiled.explain()
-    groups = sorted(sorted(v) for v in compiled.layout().values())
-    assert ["layers.0.qkv", "layers.1.qkv"] in groups and ["layers.0.proj"] in groups, groups
-    for k in params:
-        torch.testing.assert_close(p[k], p_ref[k], rtol=1e-5, atol=1e-6)
+    by_path = lambda path, x: 3 if path.endswith("qkv") else None  # noqa: E731
+    as_tree = {"layers.0.qkv": 3, "layers.1.qkv": 3, "layers.0.proj": None, "layers.0.bias": None}
+    for split in (by_path, as_tree, 3):  # a callable, a tree by path, one value for every leaf
+        torch._dynamo.reset()
+        opt = ps.inject_hyperparams(ps.muon_adamw)(lr=0.05, ns_dtype=torch.float32, split=split)
+        compiled, eager = ps.make_update(opt, compile=True, donate=True), ps.make_update(opt)
+        p, s = {k: v.clone() for k, v in params.items()}, opt.init(params)
+        p_ref, s_ref = {k: v.clone() for k, v in params.items()}, opt.init(params)
+        for i in range(3):
+            grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+            with torch.compiler.set_stance("fail_on_recompile" if i else "default"):
+                compiled(p, grads, s)
+            p_ref, s_ref = eager(p_ref, grads, s_ref)
+        assert compiled.explain().startswith("flat"), compiled.explain()
+        groups = sorted(sorted(v) for v in compiled.layout().values())
+        assert ["layers.0.qkv", "layers.1.qkv"] in groups or split == 3, groups
+        assert ["layers.0.proj"] in groups or split == 3, groups  # split apart from the qkv stack
+        for k in params:
+            torch.testing.assert_close(p[k], p_ref[k], rtol=1e-5, atol=1e-6)

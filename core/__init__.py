@@ -16,6 +16,7 @@ from ._base import Transform as Transform
 from ._base import once as once
 from ._base import with_in_place as with_in_place
 from .engine.needs import Needs as Needs
+from .engine.needs import Rule as Rule
 from .engine.needs import needs_of as needs_of
 from .engine.needs import with_needs as with_needs
 from ._clipping import ClipByGlobalNormState as ClipByGlobalNormState
@@ -148,6 +149,7 @@ __all__ = [
     "Transform",
     "with_in_place",
     "Needs",
+    "Rule",
     "with_needs",
     "needs_of",
     "once",

@@ -226,7 +226,8 @@ def scale_by_muon(
     def init(params: Params) -> ScaleByMuonState:
         _check_matrices(params, "params")
         leaf_batch_dims(params, batch_dims)  # refused now, not at the first update
-        lay.per_leaf(params, splits)  # (on flat buffers: read when the layout was planned)
+        if split is not None:
+            lay.per_leaf(params, splits)  # checked now (on flat buffers: when the layout was planned)
         leaves = pytree.tree_leaves(params)
         return ScaleByMuonState(zero_count(leaf_device(leaves)), lp.init_moments(params, mu_dtype))
 

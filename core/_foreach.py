@@ -53,7 +53,7 @@ def sum_scalars(xs: list[Tensor]) -> Tensor:
     groups: dict[tuple, list[Tensor]] = {}
     for x in xs:
         mesh = getattr(x, "device_mesh", None)
-        key = (id(mesh), tuple(getattr(x, "placements", ()))) if mesh is not None else ("plain",)
+        key = (mesh, tuple(getattr(x, "placements", ()))) if mesh is not None else ("plain",)  # equal meshes: one group
         groups.setdefault(key, []).append(x)
     if len(groups) <= 1:
         return torch.stack(list(xs)).sum()

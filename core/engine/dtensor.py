@@ -62,6 +62,7 @@ def replicated_like(t: Tensor, x: Any) -> Any:
     elementwise math between them runs; `t` itself otherwise."""
     if not is_dtensor(x):
         return t
-    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate
 
-    return distribute_tensor(t, x.device_mesh, [Replicate()] * x.device_mesh.ndim)
+    # Every rank computed the same `t` (from values all-reduced before): no broadcast needed.
+    return DTensor.from_local(t, x.device_mesh, [Replicate()] * x.device_mesh.ndim, run_check=False)

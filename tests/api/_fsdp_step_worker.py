@@ -163,7 +163,9 @@ class MLP(torch.nn.Module):
         return self.head(torch.tanh(self.down(torch.tanh(self.up(x)))))
 
 
-TP_CASES = ("adamw+clip+skip", "muon_adamw", "lamb")
+TP_CASES = ("adamw+clip+skip", "muon_adamw", "lamb", "qk_clip")
+# QK-clip's head rows on TP's colwise (Shard(0)) and rowwise (Shard(1)) weights, on whole DTensors.
+CASES["qk_clip"] = lambda: ps.chain(ps.adamw(0.02), ps.qk_clip(5.0, {"attn": ps.QKHeads(q="up.weight", k="down.weight", heads=2)}))
 
 
 def run_tp(name: str, layout: str) -> tuple[float, str]:
@@ -197,8 +199,9 @@ def run_tp(name: str, layout: str) -> tuple[float, str]:
         ((net(x) - y) ** 2).mean().backward()
         grads = {k: p.grad for k, p in params.items()}
         ref_grads = torch.func.grad(lambda p: ((torch.func.functional_call(ref, p, (x,)) - y) ** 2).mean())(ref_params)
-        metrics = update(params, grads, state)[-1]
-        ref_params, ref_state = pure(ref_params, ref_grads, ref_state)
+        inputs = {"max_logits": {"attn": torch.tensor([8.0, 3.0])}} if name == "qk_clip" else {}
+        metrics = update(params, grads, state, **inputs)[-1]
+        ref_params, ref_state = pure(ref_params, ref_grads, ref_state, **inputs)
         net.zero_grad(set_to_none=False)
         if not torch.allclose(metrics["grad_norm"], ps.tree_global_norm(ref_grads), rtol=1e-5):
             raise AssertionError(f"{layout} {name} step {step}: grad_norm {float(metrics['grad_norm'])}")

@@ -56,5 +56,5 @@ def test_sharded_update_on_an_hsdp_mesh_of_four_ranks_equals_one_process_and_kee
     # params): torch's own clip_grad_norm_ refuses the mixed meshes; the update runs on whole
     # DTensors (the per-leaf DTensor path, which says why) and equals one process.
     tp = [line.split()[:3] for line in out.stdout.splitlines() if line.startswith(("ok fsdp+tp ", "ok tp "))]
-    assert tp == [["ok", layout, name] for layout in ("fsdp+tp", "tp") for name in ("adamw+clip+skip", "muon_adamw", "lamb")], out.stdout
+    assert tp == [["ok", layout, name] for layout in ("fsdp+tp", "tp") for name in ("adamw+clip+skip", "muon_adamw", "lamb", "qk_clip")], out.stdout
     assert all("path='per-leaf DTensor'" in line for line in out.stdout.splitlines() if line.startswith(("ok fsdp+tp", "ok tp "))), out.stdout

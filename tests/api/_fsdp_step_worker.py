@@ -165,7 +165,7 @@ class MLP(torch.nn.Module):
 
 TP_CASES = ("adamw+clip+skip", "muon_adamw", "lamb", "qk_clip")
 # QK-clip's head rows on TP's colwise (Shard(0)) and rowwise (Shard(1)) weights, on whole DTensors.
-CASES["qk_clip"] = lambda: ps.chain(ps.adamw(0.02), ps.qk_clip(5.0, {"attn": ps.QKHeads(q="up.weight", k="down.weight", heads=2)}))
+TP_ONLY = {"qk_clip": lambda: ps.chain(ps.adamw(0.02), ps.qk_clip(5.0, {"attn": ps.QKHeads(q="up.weight", k="down.weight", heads=2)}))}
 
 
 def run_tp(name: str, layout: str) -> tuple[float, str]:
@@ -186,7 +186,7 @@ def run_tp(name: str, layout: str) -> tuple[float, str]:
         fully_shard(net, mesh=mesh["dp"])
     else:
         parallelize_module(net, init_device_mesh("cpu", (dist.get_world_size(),)), plan)
-    opt = CASES[name]()
+    opt = {**CASES, **TP_ONLY}[name]()
     params = dict(net.named_parameters())
     state = opt.init(params)
     update = ps.make_update(opt, donate=True, metrics=True)

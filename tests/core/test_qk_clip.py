@@ -49,6 +49,12 @@ def test_after_the_clip_each_heads_max_logit_is_at_most_tau_and_the_others_keep_
     torch.testing.assert_close(after, torch.minimum(before, torch.tensor(tau, dtype=torch.float64)), rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(new["mlp.w"], params["mlp.w"], rtol=0, atol=0)
     assert bool((before > tau).any()) and bool((before <= tau).any())
+    # Each key head takes √(min γ) of the query heads that share it; each query head the rest of its γ_h.
+    gamma = torch.where(before > tau, tau / before, torch.ones_like(before))
+    k_factor = gamma.view(kv_heads, heads // kv_heads).amin(dim=1).sqrt()
+    torch.testing.assert_close(nk, wk * k_factor.repeat_interleave(hd)[:, None], rtol=1e-12, atol=1e-12)
+    q_factor = gamma / k_factor.repeat_interleave(heads // kv_heads)
+    torch.testing.assert_close(nq, wq * q_factor.repeat_interleave(hd)[:, None], rtol=1e-12, atol=1e-12)
 
 
 def _reference(params, updates, max_logits, tau, heads, hd):

@@ -248,14 +248,6 @@ def rule_on(spec: PackSpec, rule: Any) -> list[Any]:
     return resolved_on(spec, ("rule", rule.key), lambda: [table[g.members[0].index] for g in spec.groups])
 
 
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, Tensor) or isinstance(b, Tensor):
-        if isinstance(a, Tensor) and isinstance(b, Tensor) and a.numel() == b.numel() == 1:
-            return a is b or (a.device.type != "meta" and bool(a == b))
-        return a is b
-    return a == b
-
-
 def check_whole_leaves(tree: Any, what: str) -> None:
     """Per-leaf math (`ops`' leaf norms, matrices) on a packed tree: every buffer must be
     one leaf or a stack, which its transform declared (`Needs(whole_leaves=True)`)."""

@@ -61,12 +61,15 @@ class Optimizer(torch.optim.Optimizer):
 
     Warning:
         The state is created at construction (torch.optim creates it at the first step),
-        for all params of a group at once. A param whose grad is `None` while others of its
-        group have one is skipped as torch skips it (its value and its own state buffers stay
-        as they were), but state the group shares, such as the step count of bias
-        corrections, still advances; likewise a param whose `state` entry is popped or
-        emptied starts over from the transform's `init` at the next step, but the group's
-        step count only does when every param of the group does. A param's shape, dtype and
+        for all params of a group at once. Step counts are per param, as torch's: a param
+        whose grad is `None` while others of its group have one is skipped (its value, its
+        buffers and its step count stay as they were), a param whose `state` entry is popped
+        or emptied starts over from the transform's `init` (its count from 0), an assigned or
+        loaded `step` is that param's alone. The group then runs as cohorts of params sharing
+        one history, each its own update (compiled groups: one compile per cohort, none per
+        step after). A transform whose state holds more than per-param buffers, step counts
+        and schedules (a statistic over the group, as Prodigy's estimate) keeps one count per
+        group: a skipped param is held as it was while the group's count advances. A param's shape, dtype and
         device must stay as they were at construction (build the optimizer after
         `model.to(...)`); its storage may change (`p.data = ...`) as in torch.optim, but in
         a compiled group that makes the next step re-bind the flat buffers and compile
@@ -177,6 +180,8 @@ class Optimizer(torch.optim.Optimizer):
     @property
     def opt_states(self) -> list[Any]:
         """The transform state of each param group (a pytree of tensors)."""
+        for g in self._groups:
+            g.sync()
         return [g.state for g in self._groups]
 
     # ------------------------------------------------------------------ groups
@@ -271,7 +276,8 @@ class Optimizer(torch.optim.Optimizer):
         for key, old in g.pushed.items():
             new = group[key]
             if new is not old and _changed(new, old):
-                _fill(g.hyper[key], new, f"param group {index} {key!r}")
+                for target in g.hyper_targets(key):
+                    _fill(target, new, f"param group {index} {key!r}")
                 g.pushed[key] = new
         for key, value in g.static.items():
             new = group.get(key)
@@ -315,18 +321,8 @@ class Optimizer(torch.optim.Optimizer):
             if [p.data_ptr() for p in params] != g.addresses:
                 g.moved(params)
             self._push(group, g, index)
-            held = g.hold(params, grads) if missing else None
-            if held is not None:
-                grads = [gr if gr is not None else torch.zeros_like(p) for p, gr in zip(params, grads)]
-            # Differentiable: the update reads clones (its graph may save what it reads; the params change next).
-            tree = {n: p.clone() for n, p in zip(g.names, params)} if g.differentiable else g.tree
             amp = {k: v for k in ("grad_scale", "found_inf") if (v := getattr(self, k, None)) is not None}
-            new_params, g.state = g.update(tree, dict(zip(g.names, grads)), g.state, **amp)[:2]
-            if g.differentiable:
-                for p, new in zip(params, new_params.values()):
-                    p.copy_(new)
-            if held is not None:
-                g.give_back(params, held)
+            g.run(params, grads, amp)
         self.state.mark_stale()  # `state` shows the new buffers when it is next read
 
     # ------------------------------------------------------------------ state

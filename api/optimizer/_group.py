@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Any, Callable
 
 import torch
+import torch.utils._pytree as pytree
 from torch import Tensor
 
 import purestep.core as ps
@@ -122,6 +124,33 @@ class TorchState(collections.defaultdict):
         return super(TorchState, self.fresh()).values()
 
 
+@dataclasses.dataclass
+class Cohort:
+    """The params of a group that share one step history, stepped by their own update.
+
+    torch.optim keeps a step count per param: a param without a grad at a step does not
+    advance it, one whose state is reset starts it over. A purestep state has one count per
+    transform, so the adapter splits a group into cohorts when its params' histories part
+    (some have a grad and others not, a reset, a loaded or assigned `step`): each cohort's
+    state holds the group's buffers of its params (the same tensors) and its own counts,
+    clocks (schedules' steps, advanced with the group's) and hyperparameters."""
+
+    members: list[int]  # positions of its params in the group
+    state: Any
+    update: Callable
+    tree: dict[str, Tensor]  # its params by name
+    count_at: list[int]  # where its step counts sit among its state's leaves
+    clock_at: list[int]  # where its schedules' steps sit
+
+    @property
+    def hyper(self) -> dict[str, Any]:
+        return ps.get_hyperparams(self.state)
+
+    def step(self) -> Tensor:
+        """Its step count (torch's `step` of each of its params)."""
+        return ps.tree_leaves(self.state)[self.count_at[0]]
+
+
 class Group:
     """What the adapter keeps per param group besides torch's group dict."""
 
@@ -175,7 +204,135 @@ class Group:
         roles = [] if self.lazy else L.classify(self.state, self.names)
         self.buffers = [(i, self.names.index(r.param), r.key) for i, r in enumerate(roles) if r.kind == "buffer"]
         self.counts = [i for i, r in enumerate(roles) if r.kind == "count"]  # every step count's leaf
+        self.clocks = [i for i, r in enumerate(roles) if r.kind == "clock"]  # every schedule's step
         self.count = self.counts[0] if self.counts else None  # the one shown as torch's `step`
+        # Per-param step counts, as torch.optim keeps them, where the state is per-param buffers,
+        # counts, clocks and hyperparameters alone (a statistic over the group, as Prodigy's
+        # estimate, would be one per cohort: such a group keeps one count, see `hold`).
+        self.cohortable = bool(roles) and bool(self.counts) and all(r.kind != "other" for r in roles)
+        self.reset_cohorts()
+
+    # ------------------------------------------------------------------ cohorts
+
+    def reset_cohorts(self) -> None:
+        """One cohort: every param, the group's state and update."""
+        whole = Cohort(list(range(len(self.names))), self.state, self.update, self.tree, self.counts, self.clocks)
+        self.cohorts = [whole]
+        self.owner = [whole] * len(self.names)
+
+    def _set_cohorts(self, cohorts: list[Cohort]) -> None:
+        self.cohorts = cohorts
+        self.owner = [cohorts[0]] * len(self.names)
+        for c in cohorts:
+            for j in c.members:
+                self.owner[j] = c
+
+    def _cohort(self, members: list[int], source: Cohort, step: float | None) -> Cohort:
+        """A cohort of `members` (params of `source`): the group's buffers of those params, its
+        clocks and hyperparameters as they are, its counts `source`'s (or `step`)."""
+        names = [self.names[j] for j in members]
+        tree = {n: self.tree[n] for n in names}
+        with torch.no_grad():
+            fresh = self.transform.init(tree)
+            roles = L.classify(fresh, names)
+            values, spec = pytree.tree_flatten(fresh)
+            mine = self.leaves()
+            at = {(self.names[j], key): i for i, j, key in self.buffers}
+            for i, r in enumerate(roles):
+                if r.kind == "buffer":
+                    values[i] = mine[at[r.param, r.key]]  # the same tensor: one buffer, one owner
+            state = pytree.tree_unflatten(values, spec)
+            for new, old in zip(ps.tree_leaves(ps.get_hyperparams(state)), ps.tree_leaves(self.hyper)):
+                new.copy_(old)
+            theirs = ps.tree_leaves(source.state)
+            count_at = [i for i, r in enumerate(roles) if r.kind == "count"]
+            clock_at = [i for i, r in enumerate(roles) if r.kind == "clock"]
+            for i, k in zip(count_at, source.count_at):
+                values[i].copy_(theirs[k]) if step is None else values[i].fill_(step)
+            for i, k in zip(clock_at, source.clock_at):
+                values[i].copy_(theirs[k])
+        update = ps.make_update(self.transform, compile=self.compiled, donate=not self.differentiable)
+        return Cohort(members, state, update, tree, count_at, clock_at)
+
+    def regroup(self, key: Callable[[int], Any], step: Callable[[Any], float | None]) -> None:
+        """Part each cohort by `key(param position)`; a part keyed k takes the step `step(k)`
+        (None: its cohort's). A cohort left whole keeps its state and update."""
+        out = []
+        for c in self.cohorts:
+            parts: dict[Any, list[int]] = {}
+            for j in c.members:
+                parts.setdefault(key(j), []).append(j)
+            if len(parts) == 1:
+                k = next(iter(parts))
+                if step(k) is not None:
+                    with torch.no_grad():
+                        leaves = ps.tree_leaves(c.state)
+                        for i in c.count_at:
+                            leaves[i].fill_(step(k))
+                out.append(c)
+                continue
+            out += [self._cohort(members, c, step(k)) for k, members in parts.items()]
+        self._set_cohorts(out)
+
+    def set_steps(self, steps: list[float]) -> None:
+        """Each param's own step count (a loaded or assigned torch `step`)."""
+        self.regroup(lambda j: steps[j], lambda k: k)
+
+    def hyper_targets(self, key: str) -> list[Any]:
+        """The live tensor(s) of hyperparameter `key` in the group's state and every cohort's."""
+        return [self.hyper[key]] + [c.hyper[key] for c in self.cohorts if c.state is not self.state]
+
+    def step_of(self, j: int) -> Tensor:
+        """Param `j`'s step count."""
+        return self.owner[j].step()
+
+    def torch_steps(self) -> list[Tensor]:
+        """Each param's step count as torch keeps `step` (a CPU float), read once per cohort."""
+        read: dict[int, Tensor] = {}
+        return [read.setdefault(id(c), L.torch_step(c.step())).clone() for c in self.owner]
+
+    def sync(self) -> None:
+        """The group's state shows the clocks its cohorts keep (a state_dict's shared state)."""
+        if len(self.cohorts) > 1 and self.clocks:
+            first, mine = self.cohorts[0], self.leaves()
+            theirs = ps.tree_leaves(first.state)
+            with torch.no_grad():
+                for i, k in zip(self.clocks, first.clock_at):
+                    mine[i].copy_(theirs[k])
+
+    def run(self, params: list[Tensor], grads: list[Tensor | None], amp: dict[str, Tensor]) -> None:
+        """One update of the params with grads (a param without one is skipped, as torch.optim
+        skips it, its step count included)."""
+        missing = [gr is None for gr in grads]
+        held = None
+        if any(missing):
+            if self.cohortable:
+                self.regroup(lambda j: missing[j], lambda k: None)
+            else:
+                held = self.hold(params, grads)
+        idle = []
+        for c in self.cohorts:
+            if all(missing[j] for j in c.members):
+                idle.append(c)
+                continue
+            names = [self.names[j] for j in c.members]
+            # Differentiable: the update reads clones (its graph may save what it reads; the params change next).
+            tree = {n: params[j].clone() for n, j in zip(names, c.members)} if self.differentiable else c.tree
+            gs = {
+                n: grads[j] if grads[j] is not None else torch.zeros_like(params[j]) for n, j in zip(names, c.members)
+            }
+            new_params, c.state = c.update(tree, gs, c.state, **amp)[:2]
+            if self.differentiable:
+                for j, new in zip(c.members, new_params.values()):
+                    params[j].copy_(new)
+        for c in idle:  # the group stepped: its schedules' steps advance for every cohort
+            leaves = ps.tree_leaves(c.state)
+            for i in c.clock_at:
+                leaves[i].add_(1 if "found_inf" not in amp else (amp["found_inf"] == 0).to(leaves[i].dtype))
+        if len(self.cohorts) == 1:
+            self.state = self.cohorts[0].state
+        if held is not None:
+            self.give_back(params, held)
 
     def materialize(self, params: list[Tensor], where: str) -> None:
         """The state of params built on the meta device, once they are real (`to_empty` and init)."""
@@ -233,9 +390,11 @@ class Group:
                 p = params[j]
                 value = torch.view_as_complex(leaves[i]) if p.is_complex() else leaves[i]
                 dict.setdefault(state, p, {})[key] = self.shown[j, key] = value
-        if self.has_step:  # torch's per-param `step`: the group's count, as torch keeps it (a CPU float)
-            step = L.torch_step(leaves[self.count])
+        if self.has_step:  # torch's per-param `step`: the param's count, as torch keeps it (a CPU float)
+            steps: dict[int, Tensor] = {}  # per cohort, read once
             for j in show:
+                c = self.owner[j]
+                step = steps.setdefault(id(c), L.torch_step(c.step()))
                 dict.setdefault(state, params[j], {})["step"] = self.shown[j, "step"] = step.clone()
 
     def take_edits(self, state: TorchState, params: list[Tensor], index: int, only: set[int] | None = None) -> None:
@@ -248,7 +407,7 @@ class Group:
         lazy init would: its buffers as the transform's `init` makes them; when every param of
         a group starts over, so does the group's whole state, step count included. An entry
         that lost some of its buffers starts over too, then takes the ones it holds. An
-        assigned `step` sets the group's step count (one per group here)."""
+        assigned `step` sets that param's step count."""
         leaves = self.leaves()
         keys = [(i, j, key) for i, j, key in self.buffers] + (
             [(self.count, j, "step") for j in range(len(params))] if self.has_step else []
@@ -281,18 +440,12 @@ class Group:
                 leaves[i].copy_(new)
             entry[key] = self.shown[j, key] = value
         if steps:
-            if len(set(steps.values())) > 1:
-                raise ValueError(
-                    f"optimizer.state sets different steps {steps} in param group {index}, whose params "
-                    "share one step count here; set the same step on all of them"
-                )
-            with torch.no_grad():
-                for i in self.counts:  # as a loaded torch `step` sets them
-                    leaves[i].fill_(next(iter(steps.values())))
+            self.regroup(lambda j: steps.get(self.names[j]), lambda k: k)
 
     def start_over(self, params: list[Tensor], which: set[int]) -> None:
-        """The buffers of the params in `which` as `init` makes them; all of the state (the
-        injected hyperparameters aside) when `which` is every param."""
+        """The buffers of the params in `which` as `init` makes them, and their step counts
+        from 0 (a cohort of their own); all of the state (the injected hyperparameters aside)
+        when `which` is every param."""
         with torch.no_grad():
             fresh = ps.tree_leaves(self.transform.init(self.tree))
             leaves = ps.tree_leaves(self.state)
@@ -303,14 +456,19 @@ class Group:
                 starts = [i for i, j, _ in self.buffers if j in which]
             for i in starts:
                 leaves[i].copy_(fresh[i])
+        if len(which) == len(params):
+            self.reset_cohorts()
+        elif self.cohortable:
+            self.regroup(lambda j: j in which, lambda k: 0.0 if k else None)
         for j in which:
             for key in [k for (jj, k) in self.shown if jj == j]:
                 del self.shown[j, key]
 
     def hold(self, params: list[Tensor], grads: list[Tensor | None]) -> tuple[list, list]:
         """Copies of the params without a grad and of their own state buffers, put back after the
-        group's update (run with zero grads for them): they are skipped, as torch.optim skips them.
-        The group's shared state (a step count) still advances."""
+        group's update (run with zero grads for them), in a group whose state is more than
+        per-param buffers and counts (not `cohortable`): they are skipped, as torch.optim skips
+        them, but the group's shared state (a step count, an estimate over the group) advances."""
         skipped = {n for n, gr in zip(self.names, grads) if gr is None}
         roles = L.classify(self.state, self.names)
         leaves = ps.tree_leaves(self.state)

@@ -33,6 +33,9 @@ BUFFER_NAMES = {  # (state class, field) -> torch.optim's name for that buffer
     (ps.ScaleByAdemamixState, "m2"): "exp_avg_slow",
     (ps.ScaleByAdemamixState, "nu"): "exp_avg_sq",
 }
+# States whose `count` is a schedule's step: the group's clock, as torch's lr_scheduler
+# steps a group (every step of the group advances it), not a param's own step count.
+CLOCK_STATES = (ps.InjectHyperparamsState, ps.ScaleByLrState, ps.AddDecayedWeightsState, ps.AdamcState)
 # torch.optim group keys that choose an implementation, not the math: kept, never checked.
 IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
 STRUCTURE_KEYS = ("params", "param_names")
@@ -125,7 +128,7 @@ class Leaf(NamedTuple):
     """The role of one state leaf in a param group's state."""
 
     path: str  # dotted path in the state tree
-    kind: str  # "buffer" (one param's), "count", "hyperparam" or "other"
+    kind: str  # "buffer" (one param's), "count" (a step count), "clock" (a schedule's step), "hyperparam" or "other"
     param: str = ""  # the param a buffer belongs to ("" for the other kinds)
     key: str = ""  # the buffer's name in the state_dict
 
@@ -158,7 +161,10 @@ def classify(state: Any, names: list[str]) -> list[Leaf]:
             field = getattr(keys[-2], "name", None) or path[: -len(last.key) - 1]
             out.append(Leaf(path, "buffer", last.key, BUFFER_NAMES.get((type(owner), field), field)))
         elif isinstance(last, pytree.GetAttrKey) and last.name == "count":
-            out.append(Leaf(path, "count"))
+            owner = state
+            for k in keys[:-1]:
+                owner = _child(owner, k)
+            out.append(Leaf(path, "clock" if isinstance(owner, CLOCK_STATES) else "count"))
         else:
             out.append(Leaf(path, "other"))
     seen: dict[tuple[str, str], int] = {}
@@ -204,50 +210,39 @@ def check_torch_layout(state: Any, names: list[str], mirror: Mirror) -> None:
             )
 
 
-def export_torch(state: Any, names: list[str], ids: list[int], mirror: Mirror, group: dict) -> dict[int, dict]:
-    """`{param index: {"step"?, buffers...}}` as `mirror.cls.state_dict()` has them; empty
-    before the first step, as in torch."""
-    leaves = classify(state, names)
-    values = pytree.tree_leaves(state)
-    count = next(v for leaf, v in zip(leaves, values) if leaf.kind == "count")
-    if int(count) == 0:  # a host sync, fine in a state_dict
-        return {}
+def export_torch(
+    state: Any, names: list[str], ids: list[int], mirror: Mirror, group: dict, steps: list[Tensor]
+) -> dict[int, dict]:
+    """`{param index: {"step"?, buffers...}}` as `mirror.cls.state_dict()` has them, `steps`
+    each param's step count (torch's `step`); a param not stepped yet has no entry, as in torch."""
     if not keeps_buffers(mirror, group):
         return {}
-    step = torch_step(count)
-    out = {i: {"step": step.clone()} if mirror.has_step else {} for i in ids}
-    for leaf, value in zip(leaves, values):
-        if leaf.kind == "buffer":
+    out = {i: {"step": step} if mirror.has_step else {} for i, step in zip(ids, steps) if step.item() != 0}
+    for leaf, value in zip(classify(state, names), pytree.tree_leaves(state)):
+        if leaf.kind == "buffer" and ids[names.index(leaf.param)] in out:
             out[ids[names.index(leaf.param)]][leaf.key] = value
     return out
 
 
-def import_torch(state: Any, names: list[str], ids: list[int], mirror: Mirror, saved: dict, where: str) -> Any:
-    """`state` with its buffers and counters taken from a torch.optim `state_dict()["state"]`."""
+def import_torch(
+    state: Any, names: list[str], ids: list[int], mirror: Mirror, saved: dict, where: str
+) -> tuple[Any, list[int]]:
+    """`state` with its buffers taken from a torch.optim `state_dict()["state"]`, and each
+    param's step (0 for a param without an entry: torch has not stepped it yet). The state's
+    counts and clocks hold the largest step; the adapter gives each param its own (cohorts)."""
     leaves = classify(state, names)
     values, spec = pytree.tree_flatten(state)
     per = [saved.get(i) or {} for i in ids]
-    have = [bool(entry) for entry in per]
-    if any(have) and not all(have):
-        missing = [n for n, h in zip(names, have) if not h]
-        raise ValueError(
-            f"{where}: the state_dict has state for some params but not for {missing[:3]}; torch.optim "
-            "steps each param on its own, a purestep group steps all its params together"
-        )
-    step = 0
-    if all(have) and names:
-        step = 1  # torch.optim.SGD and Muon keep no count: a buffer means at least one step
-        if mirror.has_step:
-            for n, i, entry in zip(names, ids, per):
-                if "step" not in entry:
-                    raise ValueError(f"{where}: state[{i}] (param {n!r}) has no 'step'")
-            steps = [int(torch.as_tensor(e["step"]).round()) for e in per]
-            if len(set(steps)) > 1:
-                raise ValueError(
-                    f"{where}: its params have steps {dict(zip(names, steps))}; a purestep group "
-                    "steps all its params together, so they need one step"
-                )
-            step = steps[0]
+    steps = []
+    for n, i, entry in zip(names, ids, per):
+        if not entry:
+            steps.append(0)
+        elif not mirror.has_step:
+            steps.append(1)  # torch.optim.SGD and Muon keep no count: a buffer means at least one step
+        elif "step" not in entry:
+            raise ValueError(f"{where}: state[{i}] (param {n!r}) has no 'step'")
+        else:
+            steps.append(int(torch.as_tensor(entry["step"]).round()))
     wanted = {(leaf.param, leaf.key) for leaf in leaves if leaf.kind == "buffer"}
     for n, i, entry in zip(names, ids, per):
         extra = [k for k in entry if (n, k) not in wanted and k != "step"]
@@ -255,9 +250,9 @@ def import_torch(state: Any, names: list[str], ids: list[int], mirror: Mirror, s
             raise ValueError(f"{where}: state[{i}] (param {n!r}) has {extra}, which this optimizer keeps no place for")
     out = []
     for leaf, value in zip(leaves, values):
-        if leaf.kind == "count":
-            out.append(torch.full_like(value, step))
-        elif leaf.kind == "buffer" and step:
+        if leaf.kind in ("count", "clock"):
+            out.append(torch.full_like(value, max(steps, default=0)))
+        elif leaf.kind == "buffer" and steps[names.index(leaf.param)]:
             i = ids[names.index(leaf.param)]
             src = per[names.index(leaf.param)].get(leaf.key)
             out.append(checked_copy(src, value, f"{where}: state[{i}][{leaf.key!r}] (param {leaf.param!r})"))
@@ -265,7 +260,7 @@ def import_torch(state: Any, names: list[str], ids: list[int], mirror: Mirror, s
             out.append(torch.zeros_like(value))
         else:
             out.append(value)
-    return pytree.tree_unflatten(out, spec)
+    return pytree.tree_unflatten(out, spec), steps
 
 
 def checked_copy(src: Any, like: Tensor, where: str) -> Tensor:
@@ -283,7 +278,8 @@ def checked_copy(src: Any, like: Tensor, where: str) -> Tensor:
 
 
 def export_generic(state: Any, names: list[str], ids: list[int]) -> tuple[dict[int, dict], dict[str, Tensor]]:
-    """Per-param buffers by param index, and the group's shared leaves by path."""
+    """Per-param buffers by param index, and the group's shared leaves by path (the step
+    counts of a group whose params step apart: each param's `step`, added by the adapter)."""
     per: dict[int, dict[str, Tensor]] = {}
     shared: dict[str, Tensor] = {}
     for leaf, value in zip(classify(state, names), pytree.tree_leaves(state)):

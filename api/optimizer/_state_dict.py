@@ -27,13 +27,17 @@ def export(opt: Any) -> dict[str, Any]:
         packed = {k: v for k, v in group.items() if k != "params"}
         packed["params"] = ids
         if torch_layout:
-            exported = L.export_torch(g.state, g.names, ids, cast(L.Mirror, g.mirror), group)
+            exported = L.export_torch(g.state, g.names, ids, cast(L.Mirror, g.mirror), group, g.torch_steps())
             for i, p in zip(ids, group["params"]):
                 if p.is_complex() and i in exported:  # torch keeps a complex param's buffers complex
                     exported[i] = {k: v if k == "step" else torch.view_as_complex(v) for k, v in exported[i].items()}
             state.update(exported)
         else:
+            g.sync()
             per, packed["shared_state"] = L.export_generic(g.state, g.names, ids)
+            if len(g.cohorts) > 1:  # its params step apart: each one's own count
+                for i, step in zip(ids, g.torch_steps()):
+                    per.setdefault(i, {})["step"] = step
             state.update(per)
         for i, extra in zip(ids, opt._extras(group["params"], g)):
             if extra:
@@ -72,7 +76,7 @@ def load(opt: Any, state_dict: dict[str, Any]) -> None:
         for i, e in saved_state.items()
     }
     state_dict = {**state_dict, "state": saved_state}
-    new_states = []
+    new_states, new_steps = [], []
     for index, (saved, g) in enumerate(zip(saved_groups, opt._groups)):
         where = f"param group {index}"
         ids = list(saved["params"])
@@ -90,12 +94,16 @@ def load(opt: Any, state_dict: dict[str, Any]) -> None:
                         f"{where} of the state_dict has {key}={saved[key]!r}, this optimizer was built "
                         f"with {key}={value!r}; build it with the same {key}"
                     )
-            new_states.append(
-                L.import_torch(g.state, g.names, ids, cast(L.Mirror, g.mirror), state_dict["state"], where)
-            )
+            new, steps = L.import_torch(g.state, g.names, ids, cast(L.Mirror, g.mirror), state_dict["state"], where)
         else:
             shared = saved["shared_state"]
-            new_states.append(L.import_generic(g.state, g.names, ids, state_dict["state"], shared, where))
+            new = L.import_generic(g.state, g.names, ids, state_dict["state"], shared, where)
+            own = [_step_of(state_dict["state"].get(i), f"{where}: state[{i}]") for i in ids]
+            steps = [s for s in own if s is not None]
+            if steps and len(steps) != len(own):
+                raise ValueError(f"{where}: the state_dict gives some params a 'step' and not others")
+        new_states.append(new)
+        new_steps.append(steps)
     values = [
         {**group, **{k: v for k, v in saved.items() if k not in ("params", "param_names", "shared_state")}}
         for saved, group in zip(saved_groups, opt.param_groups)
@@ -105,6 +113,9 @@ def load(opt: Any, state_dict: dict[str, Any]) -> None:
     for index, (trial, group, g, new) in enumerate(zip(values, opt.param_groups, opt._groups, new_states)):
         g.state = new
         g.refresh()
+        steps = new_steps[index]
+        if g.cohortable and steps:  # each param its own count (params that stepped apart)
+            g.set_steps([float(s) for s in steps])
         group.update({k: v for k, v in trial.items() if k not in ("params", "param_names")})
         saved = saved_groups[index]
         if (
@@ -128,6 +139,16 @@ def load(opt: Any, state_dict: dict[str, Any]) -> None:
             opt.state[key] = value
 
 
+def _step_of(entry: dict | None, where: str) -> int | None:
+    """A generic-layout entry's own `step` (a group whose params stepped apart), or None."""
+    if not entry or "step" not in entry:
+        return None
+    try:
+        return int(torch.as_tensor(entry["step"]).round())
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{where}['step'] is not a number ({e})") from None
+
+
 def _named(names: list[str]) -> bool:
     """Whether a group's names came from `named_parameters()` (not the positions given by default)."""
     return not all(n.isdigit() for n in names)
@@ -144,6 +165,7 @@ def _split_extras(saved: dict, groups: list[Group], saved_groups: list[dict], to
         for j, i in enumerate(sg["params"]):
             entry = saved.get(i) or {}
             known = own[j] | ({"step"} | set(L.BUFFER_NAMES.values()) if torch_layout else set())
+            known |= {"step"} if g.cohortable else set()
             kept_entry = {k: v for k, v in entry.items() if k in known}
             if kept_entry or i in saved:
                 kept[i] = kept_entry

@@ -6,9 +6,9 @@ Each SGD, Adam and AdamW entry of `torch.testing._internal.common_optimizers.opt
 optimizer tests check of an optimizer class, in one scenario per configuration:
 
 - two param groups (the second with its own lr and weight decay), a non-contiguous param,
-  and a param frozen after two steps (no grad from then on: skipped, as torch skips it; a
-  param that gets grads again later differs from torch by its bias correction, since the
-  adapter's group shares one step count, see `Optimizer`);
+  and a param frozen after two steps and unfrozen after the state_dict is saved (no grad in
+  between: skipped, as torch skips it, its own step count held, so its bias correction
+  after unfreezing is torch's);
 - a closure step; params equal torch's after every step;
 - `state_dict()` mid-run: loaded into a fresh adapter built from `named_parameters()` and
   into a fresh torch optimizer, both continue exactly as the original; the saved dict is
@@ -33,7 +33,11 @@ import purestep.core as ps
 from purestep.api import Optimizer
 from tests.core.test_optim_db import CONFIGS
 
-FACTORIES = {"SGD": (torch.optim.SGD, ps.sgd), "Adam": (torch.optim.Adam, ps.adam), "AdamW": (torch.optim.AdamW, ps.adamw)}
+FACTORIES = {
+    "SGD": (torch.optim.SGD, ps.sgd),
+    "Adam": (torch.optim.Adam, ps.adam),
+    "AdamW": (torch.optim.AdamW, ps.adamw),
+}
 STEPS = 6
 
 
@@ -69,7 +73,7 @@ def _step(opt, params: dict, k: int) -> None:
     def closure():
         opt.zero_grad()
         loss = _loss(params, x)
-        if k < 2:  # then frozen: no grad from step 2 on, in a group whose other param has grads
+        if k < 2 or k >= STEPS + 2:  # frozen in between: no grad, in a group whose other param has grads
             loss = loss + params["frozen_after_two"].square().sum()
         loss.backward()
         return loss
@@ -163,7 +167,7 @@ def test_compiled_adapter_matches_torch_on_its_test_configurations(name, kwargs)
     _run(name, kwargs, compile=True)
 
 
-_ERRORS = r'''
+_ERRORS = r"""
 import re, warnings, torch
 from torch.testing._internal.common_optimizers import optim_db, OptimizerErrorEnum
 import purestep.core as ps
@@ -189,7 +193,7 @@ for info in optim_db:
         got += "".join(f" | {w.category.__name__}: {w.message}" for w in caught)
         ok = ei.error_type.__name__ in got and re.search(ei.error_regex, got) is not None
         print("OK" if ok else "BAD", name, inp.desc, "| wanted", ei.error_type.__name__, ei.error_regex, "| got", got)
-'''
+"""
 
 
 def test_torchs_error_inputs_get_torchs_errors():

@@ -57,7 +57,7 @@ def scale(factor: float | Tensor) -> Transform:
         leaves, spec = pytree.tree_flatten(grads)
         return pytree.tree_unflatten(ls.cast_like(ls.mul(leaves, factor), leaves), spec), state
 
-    return with_needs(Transform(init, with_in_place(update, affine=affine)), Needs())
+    return with_needs(Transform(init, with_in_place(update, affine=affine)), Needs(bounded=True))
 
 
 class ScaleByLrState(NamedTuple):
@@ -99,7 +99,7 @@ def scale_by_lr(lr: ScalarOrSchedule) -> Transform:
         x, _, state = affine(state)
         return pytree.tree_unflatten(ls.cast_like(ls.mul(leaves, x), leaves), spec), state
 
-    return with_needs(Transform(init, with_in_place(update, affine=affine)), Needs())
+    return with_needs(Transform(init, with_in_place(update, affine=affine)), Needs(bounded=True))
 
 
 class TraceState(NamedTuple):
@@ -157,7 +157,10 @@ def trace(
         stored = lp.store_moments(new, state.trace, lp.moment_keys(state.count, rounding, state.trace))
         return pytree.tree_unflatten(out, spec), TraceState(state.count + 1, stored)
 
-    return with_needs(Transform(init, update), Needs(flat=lp.unpackable(accumulator_dtype)))
+    return with_needs(
+        Transform(init, update),
+        Needs(flat=lp.unpackable(accumulator_dtype), bounded=accumulator_dtype != torch.float16),
+    )
 
 
 class ScaleByAdamState(NamedTuple):
@@ -255,7 +258,8 @@ def scale_by_adam(
         return ScaleByAdamState(state.count + 1, state.mu, state.nu)
 
     return with_needs(
-        Transform(init, with_in_place(update, apply_=apply_)), Needs(flat=lp.unpackable(mu_dtype, nu_dtype))
+        Transform(init, with_in_place(update, apply_=apply_)),
+        Needs(flat=lp.unpackable(mu_dtype, nu_dtype), bounded=torch.float16 not in (mu_dtype, nu_dtype)),
     )
 
 
@@ -318,7 +322,7 @@ def scale_by_lion(
         stored = lp.store_moments(mu, state.mu, lp.moment_keys(state.count, rounding, state.mu))
         return pytree.tree_unflatten(out, spec), ScaleByLionState(state.count + 1, stored)
 
-    return with_needs(Transform(init, update), Needs(flat=lp.unpackable(mu_dtype)))
+    return with_needs(Transform(init, update), Needs(flat=lp.unpackable(mu_dtype), bounded=mu_dtype != torch.float16))
 
 
 def scale_by_trust_ratio(*, min_norm: float = 0.0, trust_coefficient: float = 1.0, eps: float = 0.0) -> Transform:

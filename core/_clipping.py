@@ -81,7 +81,7 @@ def clip_by_global_norm(max_norm: float | Tensor) -> Transform:
         out = ls.cast_like(ls.mul(gs, coef), gs)
         return pytree.tree_unflatten(out, spec), ClipByGlobalNormState(norm.to(state.norm.dtype))
 
-    return with_needs(Transform(init, update), Needs(reductions=("global_norm",)))
+    return with_needs(Transform(init, update), Needs(reductions=("global_norm",), bounded=True))
 
 
 def _clamp(xs: list[Tensor], lo: float | Tensor, hi: float | Tensor) -> list[Tensor]:
@@ -111,7 +111,7 @@ def clip_by_value(max_abs: float | Tensor) -> Transform:
         out = ls.cast_like(_clamp(gs, lo, max_abs), gs)
         return pytree.tree_unflatten(out, spec), state
 
-    return with_needs(Transform(init, update), Needs())
+    return with_needs(Transform(init, update), Needs(bounded=True))
 
 
 def _unit_dims(x: Tensor, axis: int | tuple[int, ...] | None) -> tuple[int, ...] | None:

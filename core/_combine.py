@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping, NamedTuple
 
 import torch
@@ -11,7 +12,7 @@ from torch import Tensor
 from .engine import ops as lay
 from . import _foreach as ls
 from . import _tree as tr
-from .engine.needs import Needs, Rule, with_needs
+from .engine.needs import Needs, Rule, bounded, with_needs
 from ._base import (
     check_int,
     EmptyState,
@@ -22,6 +23,7 @@ from ._base import (
     affine_of,
     apply_of,
     leaf_device,
+    once,
     with_in_place,
     zero_count,
 )
@@ -43,7 +45,9 @@ def identity() -> Transform:
     def update(grads, state, params=None, **extra):
         return grads, state
 
-    return with_needs(Transform(init, with_in_place(update, affine=lambda state: (1.0, 0.0, state))), Needs())
+    return with_needs(
+        Transform(init, with_in_place(update, affine=lambda state: (1.0, 0.0, state))), Needs(bounded=True)
+    )
 
 
 def apply_in_place(
@@ -130,7 +134,9 @@ def chain(*transforms: Transform) -> Transform:
         return tuple(new_state)
 
     t = Transform(init, with_in_place(update, apply_=apply_))
-    return with_needs(t, Needs(parts=lambda tree: [(inner, None) for inner in transforms]))
+    return with_needs(
+        t, Needs(parts=lambda tree: [(inner, None) for inner in transforms], bounded=bounded(*transforms))
+    )
 
 
 # --------------------------------------------------------------------------- #
@@ -216,7 +222,10 @@ def masked(inner: Transform, mask: Any) -> Transform:
         out = [sub_updates[p] if k else g for p, k, g in zip(paths, keep, leaves)]
         return pytree.tree_unflatten(out, spec), MaskedState(inner_state)
 
-    return with_needs(Transform(init, update), Needs(rules=(rule,), parts=lambda tree: [(inner, rule.values(tree))]))
+    return with_needs(
+        Transform(init, update),
+        Needs(rules=(rule,), parts=lambda tree: [(inner, rule.values(tree))], bounded=bounded(inner)),
+    )
 
 
 class PartitionState(NamedTuple):
@@ -284,7 +293,7 @@ def partition(transforms: Mapping[str, Transform], labels: Any) -> Transform:
         lab = tags(tree)
         return [(t, [x == name for x in lab]) for name, t in transforms.items()]
 
-    return with_needs(Transform(init, update), Needs(rules=(rule,), parts=parts))
+    return with_needs(Transform(init, update), Needs(rules=(rule,), parts=parts, bounded=bounded(*transforms.values())))
 
 
 # --------------------------------------------------------------------------- #
@@ -317,9 +326,19 @@ def apply_if_finite(inner: Transform, max_consecutive: int | None = None) -> Tra
     `optax.apply_if_finite`), so a run that only produces NaNs fails visibly; `None`
     skips forever.
 
+    How it checks: over an inner transform that declares its state bounded by its grads
+    (`ps.Needs(bounded=True)`: Adam's and Lion's moments, SGD's momentum, clipping, decay,
+    schedules, and chains, masks and injected hyperparameters of those), the grads alone,
+    in the pass that reads them anyway (a clip's norm): every grad finite and no larger
+    than √(m / n), m the largest value of the state's narrowest float dtype and n the
+    number of grad elements, so no square and no sum of all squares can overflow the state.
+    A grad past that bound (1e30, say, or 1e16 over 5M elements in float32) is skipped as
+    non-finite. Over any other inner transform, the grads and every float of the new inner
+    state are checked (one more read of the new state per step).
+
     Warning:
-        Unlike `optax.apply_if_finite`, which looks at the grads only, the new inner state
-        is checked too (one extra read of it per step).
+        Unlike `optax.apply_if_finite`, which looks at the grads only, a finite grad that
+        would overflow the inner state is skipped too.
 
     Examples:
         >>> import torch, purestep.core as ps
@@ -336,19 +355,41 @@ def apply_if_finite(inner: Transform, max_consecutive: int | None = None) -> Tra
         z = zero_count(leaf_device(pytree.tree_leaves(params)))
         return ApplyIfFiniteState(z, torch.ones((), dtype=torch.bool, device=z.device), z.clone(), inner.init(params))
 
+    lean = bounded(inner)  # the grads tell: no read of the new state
+
     def update(grads, state, params=None, **extra):
         updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
         floats = [x for x in pytree.tree_leaves(inner_state) if isinstance(x, Tensor) and x.is_floating_point()]
         # Over FSDP2 shards: one count on every rank, summed in one collective.
-        finite = lay.all_finite(grads, pytree.tree_leaves(grads) + floats).to(state.last_finite.device)
+        if lean:
+            finite = lay.all_finite(grads, pytree.tree_leaves(grads), _overflow_bound(grads, floats))
+        else:
+            finite = lay.all_finite(grads, pytree.tree_leaves(grads) + floats)
+        finite = finite.to(state.last_finite.device)
         notfinite = torch.where(finite, torch.zeros_like(state.notfinite_count), state.notfinite_count + 1)
         apply = finite if max_consecutive is None else finite | (notfinite > max_consecutive)
+        # Realized once per step (as a float: `once` keeps those out of a CPU kernel's loop);
+        # inlined, the flag's math would run per vector of the step's kernel.
+        apply = once(apply.to(torch.float32)) > 0
         updates = pytree.tree_map(lambda u: torch.where(apply, u, 0.0), updates)
         inner_state = _select_tree(apply, inner_state, state.inner_state)
         total = state.total_notfinite + (~finite).to(torch.int64)
         return updates, ApplyIfFiniteState(notfinite, finite, total, inner_state)
 
-    return with_needs(Transform(init, update), Needs(reductions=("all_finite",), parts=lambda tree: [(inner, None)]))
+    return with_needs(
+        Transform(init, update),
+        Needs(reductions=("all_finite",), parts=lambda tree: [(inner, None)], bounded=lean),
+    )
+
+
+def _overflow_bound(grads: PyTree, state_floats: list[Tensor]) -> float | None:
+    """The largest |grad| whose square, and the sum of all squares, fit the state's narrowest
+    float dtype (None when the state holds no floats: finite grads are all it takes)."""
+    if not state_floats:
+        return None
+    largest = min(torch.finfo(x.dtype).max for x in state_floats)
+    n = sum(x.numel() for x in pytree.tree_leaves(grads)) * lay.ranks(grads)  # over shards, on every rank
+    return math.sqrt(largest / max(n, 1))
 
 
 class AccumulateState(NamedTuple):
@@ -383,4 +424,4 @@ def accumulate(inner: Transform, every: int) -> Transform:
         mini = torch.where(ready, torch.zeros_like(state.mini_step), state.mini_step + 1)
         return updates, AccumulateState(mini, pytree.tree_unflatten(acc, spec), inner_state)
 
-    return with_needs(Transform(init, update), Needs(parts=lambda tree: [(inner, None)]))
+    return with_needs(Transform(init, update), Needs(parts=lambda tree: [(inner, None)], bounded=bounded(inner)))

@@ -12,7 +12,7 @@ from torch import Tensor
 from . import _tree as tr
 from ._base import OptState, Params, Transform, as_float64, leaf_device, resolve, with_in_place, zero_count
 from ._combine import apply_in_place
-from .engine.needs import Needs, with_needs
+from .engine.needs import Needs, bounded, with_needs
 
 
 class InjectHyperparamsState(NamedTuple):
@@ -107,7 +107,7 @@ def inject_hyperparams(
         # decay leaves out a masked decay that a tensor keeps).
         probe = factory(**values(zero_count(torch.device("cpu")), None), **static)
         t = Transform(init, with_in_place(update, apply_=apply_))
-        return with_needs(t, Needs(parts=lambda tree: [(probe, None)]))
+        return with_needs(t, Needs(parts=lambda tree: [(probe, None)], bounded=bounded(probe)))
 
     return wrapped
 

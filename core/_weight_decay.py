@@ -81,7 +81,7 @@ def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0, mask: Any = None, 
         return pytree.tree_unflatten(ls.cast_like(ls.axpy(wd, ps_, us), us), spec), state
 
     # The cautious decay is not affine in (u, p): no in-place form then.
-    t = with_needs(Transform(init, update if cautious else with_in_place(update, affine=affine)), Needs())
+    t = with_needs(Transform(init, update if cautious else with_in_place(update, affine=affine)), Needs(bounded=True))
     return t if mask is None else masked(t, mask)
 
 

@@ -24,6 +24,11 @@ transform runs while planning, so `explain()` can answer before the first call.
   giving one or None), as state that is not shaped like the params.
 - `sharded`: why it cannot run on this rank's blocks of FSDP2 shards (math that needs a
   row's place in the whole leaf): the sharded path declines, whole DTensors run it.
+- `bounded`: its new state is finite whenever the grads are, each grad's square is finite
+  in the narrowest float dtype the state holds, and its old state was (moments, momenta,
+  clocks: nothing it keeps sums grads up without bound). `apply_if_finite` over a bounded
+  transform checks the grads alone, in the pass that reads them anyway, instead of reading
+  the new state once more (`bounded(t)`: whether a transform and all its parts are).
 - `parts(tree)`: for a transform built of others, each inner transform with the leaves it
   sees: None for the same tree, a list of bools for `{path: leaf}` of the leaves kept
   (what `masked` and `partition` hand their inner transforms).
@@ -87,6 +92,7 @@ class Needs:
     flat: str | Callable[[Any], str | None] | None = None
     sharded: str | None = None
     parts: Callable[[Any], Sequence[tuple[Any, Sequence[bool] | None]]] | None = None
+    bounded: bool = False
 
 
 # Declarations keyed by the update function (as `with_in_place`'s forms: a transform rebuilt
@@ -101,7 +107,7 @@ def with_needs(transform: Any, needs: Needs) -> Any:
         >>> import torch, purestep.core as ps
         >>> t = ps.with_needs(ps.Transform(lambda p: (), lambda g, s, p=None, **e: (g, s)), ps.Needs())
         >>> ps.needs_of(t)
-        Needs(whole_leaves=False, stacks=True, rules=(), per_row_state=False, reductions=(), flat=None, sharded=None, parts=None)
+        Needs(whole_leaves=False, stacks=True, rules=(), per_row_state=False, reductions=(), flat=None, sharded=None, parts=None, bounded=False)
     """
     if not isinstance(needs, Needs):
         raise ValueError(f"needs must be a ps.Needs, got {type(needs).__name__}")
@@ -125,6 +131,15 @@ def needs_of(transform: Any) -> Needs | None:
         return _NEEDS.get(transform.update)
     except TypeError:
         return None
+
+
+def bounded(*transforms: Any) -> bool:
+    """Whether every one of `transforms` declared `Needs(bounded=True)` (a combinator
+    declares it when its inner transforms all do). False inside compiled code, where a
+    transform a step builds (`inject_hyperparams`' factory) declares nothing."""
+    if torch.compiler.is_compiling():
+        return False
+    return all(getattr(needs_of(t), "bounded", False) for t in transforms)
 
 
 def _name(transform: Any) -> str:

@@ -63,6 +63,12 @@ def select(tree: Any, keep: Sequence[bool]) -> Any:
     return {p: x for (p, x), k in zip(pairs, keep) if k}
 
 
+def ranks(tree: Any) -> int:
+    """How many ranks hold parts of `tree`'s leaves (1 but over FSDP2 shards)."""
+    shard = _shard(tree)
+    return shard.world if shard is not None else 1
+
+
 def is_sharded(tree: Any) -> bool:
     """Whether `tree`'s leaves are this rank's FSDP2 shards of larger leaves."""
     return getattr(getattr(tree, "pack_spec", None), "shard", None) is not None
@@ -125,12 +131,13 @@ def global_sums(tree: Any, *lists: Sequence[Tensor]) -> list[Tensor]:
     return list(total.unbind(0))
 
 
-def all_finite(tree: Any, xs: Sequence[Tensor]) -> Tensor:
-    """A 0-d bool: every element of `xs` is finite on every rank (`tree` says the layout)."""
+def all_finite(tree: Any, xs: Sequence[Tensor], bound: float | None = None) -> Tensor:
+    """A 0-d bool: every element of `xs` is finite (and within ±`bound`) on every rank
+    (`tree` says the layout)."""
     shard = _shard(tree)
     if shard is None:
-        return ls.all_finite(list(xs))
-    return shard.all_reduce(ls.nonfinite_count(list(xs))) == 0
+        return ls.all_finite(list(xs), bound)
+    return shard.all_reduce(ls.nonfinite_count(list(xs), bound)) == 0
 
 
 def leaf_norms(tree: Any, *lists: Sequence[Tensor]) -> list[Tensor] | list[list[Tensor]]:

@@ -213,6 +213,95 @@ def test_apply_if_finite_skips_a_finite_grad_that_overflows_the_state():
     assert all(torch.count_nonzero(u) > 0 for u in outs[-1].values())
 
 
+def test_bounded_declarations_say_which_states_the_grads_bound():
+    """`Needs(bounded=True)`: the new state is finite when the grads and their squares are.
+    Declared by Adam/Lion/SGD moments, clipping, decay and schedules, and by the combinators
+    over those; not by a state in float16, a statistic over the tree, or an undeclared one."""
+    assert ps.needs_of(ps.chain(ps.clip_by_global_norm(1.0), ps.adamw(1e-3, weight_decay=0.1))).bounded
+    assert ps.needs_of(ps.inject_hyperparams(ps.adamw)(lr=1e-3)).bounded
+    assert ps.needs_of(ps.masked(ps.lion(1e-3), lambda path, leaf: leaf.ndim > 1)).bounded
+    assert ps.needs_of(ps.apply_if_finite(ps.sgd(0.1, momentum=0.9))).bounded
+    assert not ps.needs_of(ps.prodigy()).bounded
+    assert not ps.needs_of(ps.chain(ps.clip_by_global_norm(1.0), ps.prodigy())).bounded
+    assert not ps.needs_of(ps.scale_by_adam(mu_dtype=torch.float16)).bounded
+    mine = ps.Transform(lambda p: (), lambda g, s, p=None, **e: (g, s))
+    assert not ps.needs_of(ps.chain(ps.adam(1e-3), ps.with_needs(mine, ps.Needs()))).bounded
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_apply_if_finite_over_a_bounded_transform_checks_the_grads_alone(compiled):
+    """Over a bounded inner transform the grads decide, with the bound that keeps every square
+    and their sum finite in the state's dtype: NaN, inf and 1e30 are skipped, a large finite
+    grad under the bound is applied; the same steps as checking the new state (an undeclared
+    twin of the inner transform, which the full check runs on), eager and compiled."""
+    params = make_params(torch.float32)
+    n = sum(x.numel() for x in params.values())
+    bound = (torch.finfo(torch.float32).max / n) ** 0.5
+    good = [grads_like(params, i) for i in range(4)]
+    nan = {k: v.clone() for k, v in good[1].items()}
+    nan["layers.0.bias"][0] = float("nan")
+    inf = {k: v.clone() for k, v in good[2].items()}
+    inf["embed.weight"][0, 0] = -float("inf")
+    huge = {k: torch.full_like(v, 1e30) for k, v in params.items()}
+    past = {k: v.clone() for k, v in good[3].items()}
+    past["embed.weight"][0, 0] = 2 * bound
+    large = {k: v * 1e6 for k, v in good[0].items()}
+    seq = [good[0], nan, good[1], inf, huge, large, good[2], past, good[3]]
+    skipped = [False, True, False, True, True, False, False, True, False]
+    inner = ps.chain(ps.clip_by_global_norm(1.0), ps.adamw(1e-2, weight_decay=0.1))
+    assert ps.needs_of(inner).bounded
+    lean = ps.apply_if_finite(inner)
+    undeclared = ps.Transform(inner.init, lambda g, s, p=None, **e: inner.update(g, s, p, **e))
+    full = ps.apply_if_finite(undeclared)
+    assert not ps.needs_of(full).bounded
+    outs = {}
+    for name, opt in (("lean", lean), ("full", full)):
+        p = {k: v.clone() for k, v in params.items()}
+        state = opt.init(p)
+        update = ps.make_update(opt, compile=compiled and name == "lean", donate=True)
+        flags = []
+        for g in seq:
+            g = {k: v.clone() for k, v in g.items()}  # a compiled update re-points the grads it is given
+            before = int(state.total_notfinite)
+            p, state = update(p, g, state)[:2]
+            flags.append(int(state.total_notfinite) > before)
+        outs[name] = (p, state, flags)
+    assert outs["lean"][2] == skipped, outs["lean"][2]
+    assert outs["full"][2][:5] == skipped[:5]  # the state check lets 2·bound through: its squares fit
+    p_lean, s_lean = outs["lean"][0], outs["lean"][1]
+    assert all(bool(torch.isfinite(x).all()) for x in pytree.tree_leaves(s_lean) if x.is_floating_point())
+    assert int(ps.step_count(s_lean)) == skipped.count(False)
+    # Both saw the same steps up to `past`: equal there, compiled or not.
+    ref = {k: v.clone() for k, v in params.items()}
+    state = full.init(ref)
+    for g, skip in zip(seq, skipped):
+        if not skip:
+            updates, state = full.update(g, state, ref)
+            ref = ps.apply_updates(ref, updates)
+    for k in ref:
+        torch.testing.assert_close(p_lean[k], ref[k], rtol=1e-5, atol=1e-7)
+
+
+def test_apply_if_finite_over_an_unbounded_transform_checks_the_new_state():
+    """An inner transform that does not declare its state bounded gets the full check: finite
+    grads that make its state overflow are skipped."""
+
+    def init(params):
+        return {k: torch.zeros_like(v) for k, v in params.items()}
+
+    def update(grads, state, params=None, **extra):
+        new = {k: s + g * 1e36 for (k, s), g in zip(state.items(), grads.values())}
+        return grads, new
+
+    blowup = ps.with_needs(ps.Transform(init, update), ps.Needs())
+    opt = ps.apply_if_finite(blowup)
+    params = {"w": torch.zeros(3)}
+    state = opt.init(params)
+    _, state = opt.update({"w": torch.full((3,), 1e3)}, state, params)
+    assert int(state.total_notfinite) == 1
+    assert bool(torch.isfinite(state.inner_state["w"]).all())
+
+
 def test_apply_if_finite_applies_after_max_consecutive_failures():
     params = make_params()
     inf_grads = {k: torch.full_like(v, float("inf")) for k, v in params.items()}
@@ -238,9 +327,7 @@ def test_accumulate_equals_the_transform_on_the_mean_of_every_k_grads(every):
         if (i + 1) % every:
             assert all(torch.count_nonzero(u) == 0 for u in updates.values())
         p_acc = ps.apply_updates(p_acc, updates)
-    means = [
-        {k: sum(g[k] for g in grads[j : j + every]) / every for k in params} for j in range(0, len(grads), every)
-    ]
+    means = [{k: sum(g[k] for g in grads[j : j + every]) / every for k in params} for j in range(0, len(grads), every)]
     p_ref, s_ref, _ = run(inner, params, means)
     for k in params:
         torch.testing.assert_close(p_acc[k], p_ref[k], rtol=1e-12, atol=1e-14)

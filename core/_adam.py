@@ -14,7 +14,9 @@ Decoupled weight decay and the learning rate are other transforms (`add_decayed_
 
 - "leafwise": one leaf at a time, its temporaries reused in place;
 - "apply_leafwise": torch.optim.AdamW's step fused with the apply, `p ← a·p + b·u` with m
-  and v updated in their own storage, a cache block of leaves at a time.
+  and v updated in their own storage, a cache block of leaves at a time;
+- "apply_fused": the same through torch's fused AdamW kernel (one pass over memory per
+  leaf), where it takes the step: on the CPU, one float dtype, a nonzero lr.
 
 AdEMAMix (a slow momentum beside m, in the numerator) and MARS (Adam on a corrected,
 clipped gradient) reuse `moments`, `bias_corrections` and `denominator`/`direction`; SOAP
@@ -133,8 +135,37 @@ def apply_leafwise(gs, mu, nu, ps_, beta1, beta2, bc1, bc2, eps, a, b):
         torch._foreach_addcdiv_(p, m, d, value=step)
 
 
+def apply_fused(gs, mu, nu, ps_, beta1, beta2, t, eps, a, b) -> bool:
+    """`apply_leafwise`'s step through torch's fused AdamW kernel (`torch._fused_adamw_`, as
+    torch.optim.AdamW(fused=True) runs it), t the step's count (this update included): one
+    read and write of p, m, v and one read of g per element, not seven passes. With
+    `p ← a·p + b·u` read as AdamW's lr = -b and decay λ = (1 - a) / lr. False (nothing done)
+    where the kernel does not take the step: another device, dtypes that differ, a tensor
+    not contiguous (the kernel walks its storage), a zero lr, scalars autograd records."""
+    fused = getattr(torch, "_fused_adamw_", None)
+    dtype = ps_[0].dtype
+    if fused is None or any(
+        x.device.type != "cpu" or x.dtype != dtype or not x.is_contiguous() for xs in (gs, mu, nu, ps_) for x in xs
+    ):
+        return False
+    scalars = [beta1, beta2, t, eps, a, b]
+    if any(isinstance(s, Tensor) and (s.requires_grad or s.numel() != 1) for s in scalars):
+        return False
+    beta1, beta2, t, eps, a, b = (float(s) for s in scalars)  # CPU values: nothing to wait for
+    if b == 0.0 or b != b:
+        return False
+    lr = -b
+    step = torch.tensor(t, dtype=torch.float32)  # read by the kernel, never advanced by it
+    fused(
+        ps_, gs, mu, nu, [], [step] * len(ps_), lr=lr, beta1=beta1, beta2=beta2, weight_decay=(1.0 - a) / lr,
+        eps=eps, amsgrad=False, maximize=False, grad_scale=None, found_inf=None,
+    )  # fmt: skip
+    return True
+
+
 IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {
     "definition": definition,
     "leafwise": leafwise,
     "apply_leafwise": apply_leafwise,
+    "apply_fused": apply_fused,
 }

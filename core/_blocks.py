@@ -243,8 +243,9 @@ def scale_by_adam(
 
     def apply_(grads, state, params, a=1.0, b=1.0):
         # The in-place form (`with_in_place`): eager CPU with plain moments runs AdamW's
-        # whole step a cache block of leaves at a time, μ and ν updated in their own
-        # storage; anything else is `update` followed by the apply.
+        # whole step, μ and ν updated in their own storage: torch's fused kernel, else its
+        # foreach step a cache block of leaves at a time; anything else is `update`
+        # followed by the apply.
         plain = None if amsgrad or eps_root else _plain_moments(grads, state.mu, state.nu, params)
         beta1, beta2 = resolve(b1, state.count), resolve(b2, state.count)
         if plain is None or not ls.leafwise([x for xs in plain for x in xs], beta1, beta2, eps, a, b):
@@ -254,7 +255,8 @@ def scale_by_adam(
             )
             return new_state
         t = (state.count + 1).to(torch.float64)  # eager: no `once` to realize
-        adam.apply_leafwise(*plain, beta1, beta2, 1.0 - beta1**t, 1.0 - beta2**t, eps, a, b)
+        if not adam.apply_fused(*plain, beta1, beta2, t, eps, a, b):
+            adam.apply_leafwise(*plain, beta1, beta2, 1.0 - beta1**t, 1.0 - beta2**t, eps, a, b)
         return ScaleByAdamState(state.count + 1, state.mu, state.nu)
 
     return with_needs(

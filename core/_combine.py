@@ -329,12 +329,13 @@ def apply_if_finite(inner: Transform, max_consecutive: int | None = None) -> Tra
     How it checks: over an inner transform that declares its state bounded by its grads
     (`ps.Needs(bounded=True)`: Adam's and Lion's moments, SGD's momentum, clipping, decay,
     schedules, and chains, masks and injected hyperparameters of those), the grads alone,
-    in the pass that reads them anyway (a clip's norm): every grad finite and no larger
-    than √(m / n), m the largest value of the state's narrowest float dtype and n the
-    number of grad elements, so no square and no sum of all squares can overflow the state.
-    A grad past that bound (1e30, say, or 1e16 over 5M elements in float32) is skipped as
-    non-finite. Over any other inner transform, the grads and every float of the new inner
-    state are checked (one more read of the new state per step).
+    from their global norm, the value a clip reads too (compiled: one reduction for both;
+    eagerly: computed once): the step is applied when Σ g² is finite and at most m, the
+    largest value of the state's narrowest float dtype, so neither a square nor a norm the
+    state keeps can overflow (1e30 in float32 is skipped). Over any other inner transform,
+    the grads and every float of the new inner state are checked (one more read of the new
+    state per step). Eagerly on the CPU over a bounded transform, the inner transform runs
+    in place (its own kernels) or not at all, the check read first (the CPU has it at hand).
 
     Warning:
         Unlike `optax.apply_if_finite`, which looks at the grads only, a finite grad that
@@ -362,7 +363,7 @@ def apply_if_finite(inner: Transform, max_consecutive: int | None = None) -> Tra
         floats = [x for x in pytree.tree_leaves(inner_state) if isinstance(x, Tensor) and x.is_floating_point()]
         # Over FSDP2 shards: one count on every rank, summed in one collective.
         if lean:
-            finite = lay.all_finite(grads, pytree.tree_leaves(grads), _overflow_bound(grads, floats))
+            finite = _fits(grads, floats)
         else:
             finite = lay.all_finite(grads, pytree.tree_leaves(grads) + floats)
         finite = finite.to(state.last_finite.device)
@@ -376,20 +377,41 @@ def apply_if_finite(inner: Transform, max_consecutive: int | None = None) -> Tra
         total = state.total_notfinite + (~finite).to(torch.int64)
         return updates, ApplyIfFiniteState(notfinite, finite, total, inner_state)
 
+    def apply_(grads, state, params, a=1.0, b=1.0):
+        # The in-place form (eager): over a bounded inner transform on the CPU, the grads'
+        # check comes first and the inner transform runs in place (its own in-place kernels)
+        # or not at all. Reading the flag there waits on nothing: the CPU computed it already.
+        leaves = pytree.tree_leaves(grads)
+        floats = [x for x in pytree.tree_leaves(state.inner_state) if isinstance(x, Tensor) and x.is_floating_point()]
+        if not lean or any(x.device.type != "cpu" for x in leaves + floats):  # decided on the device
+            updates, new_state = update(grads, state, params)
+            ls.scale_add_(
+                tr.check_match(params, updates, "params", "updates", dtype=False), a, b, tr.tree_leaves(updates)
+            )
+            return new_state
+        finite = _fits(grads, floats).to(state.last_finite.device)
+        notfinite = torch.where(finite, torch.zeros_like(state.notfinite_count), state.notfinite_count + 1)
+        apply = bool(finite) or (max_consecutive is not None and int(notfinite) > max_consecutive)
+        inner_state = apply_in_place(inner, grads, state.inner_state, params, a, b) if apply else state.inner_state
+        total = state.total_notfinite + (~finite).to(torch.int64)
+        return ApplyIfFiniteState(notfinite, finite, total, inner_state)
+
     return with_needs(
-        Transform(init, update),
+        Transform(init, with_in_place(update, apply_=apply_)),
         Needs(reductions=("all_finite",), parts=lambda tree: [(inner, None)], bounded=lean),
     )
 
 
-def _overflow_bound(grads: PyTree, state_floats: list[Tensor]) -> float | None:
-    """The largest |grad| whose square, and the sum of all squares, fit the state's narrowest
-    float dtype (None when the state holds no floats: finite grads are all it takes)."""
+def _fits(grads: PyTree, state_floats: list[Tensor]) -> Tensor:
+    """A 0-d bool: every grad finite and Σ g² within the largest value of the state's
+    narrowest float dtype (so no square, nor their sum, overflows what a bounded transform
+    keeps), read from the grads' global norm: the value a clip reads too (compiled, one
+    reduction; eagerly, computed once). Without float state, every grad finite."""
+    leaves = pytree.tree_leaves(grads)
     if not state_floats:
-        return None
+        return lay.all_finite(grads, leaves)
     largest = min(torch.finfo(x.dtype).max for x in state_floats)
-    n = sum(x.numel() for x in pytree.tree_leaves(grads)) * lay.ranks(grads)  # over shards, on every rank
-    return math.sqrt(largest / max(n, 1))
+    return lay.global_norm(grads).to(torch.float64) <= math.sqrt(largest)
 
 
 class AccumulateState(NamedTuple):

@@ -381,11 +381,11 @@ def sign(xs: list[Tensor]) -> list[Tensor]:
     return [torch.sign(x) for x in xs]
 
 
-def norms(xs: list[Tensor]) -> list[Tensor]:
-    """‖x‖₂ of each leaf, as 0-d tensors in the leaf's dtype."""
+def norms(xs: list[Tensor], dtype: torch.dtype | None = None) -> list[Tensor]:
+    """‖x‖₂ of each leaf, as 0-d tensors in the leaf's dtype (or accumulated in `dtype`)."""
     if use_foreach(xs):
-        return list(torch._foreach_norm(xs))
-    return [torch.linalg.vector_norm(x) for x in xs]
+        return list(torch._foreach_norm(xs, 2, dtype=dtype))
+    return [torch.linalg.vector_norm(x, dtype=dtype) for x in xs]
 
 
 def member_norms(xs: list[Tensor], stacked: list[bool]) -> list[Tensor]:
@@ -425,23 +425,11 @@ def where(cond: Tensor, xs: list[Tensor], ys: list[Tensor]) -> list[Tensor]:
     return [torch.where(cond, x, y) for x, y in zip(xs, ys)]
 
 
-def nonfinite_count(xs: list[Tensor], bound: float | None = None) -> Tensor:
+def nonfinite_count(xs: list[Tensor]) -> Tensor:
     """A 0-d int64: how many leaves of `xs` hold a non-finite element (plain tensors), or how
-    many non-finite elements they hold (tensor subclasses); with `bound`, an element past
-    ±bound counts as non-finite."""
+    many non-finite elements they hold (tensor subclasses)."""
     if not xs:
         return torch.zeros((), dtype=torch.int64)
-    if bound is not None:
-        floats = [x for x in xs if x.is_floating_point() and x.numel()]
-        if not floats:
-            return torch.zeros((), dtype=torch.int64, device=xs[0].device)
-        if all(type(x) in (Tensor, torch.nn.Parameter) for x in floats):
-            # max |x| of each leaf (NaN propagates): one reduction, which a step that also
-            # takes the norm of `xs` reads in the same pass
-            peaks = torch.stack([torch.amax(torch.abs(x)).to(torch.float64) for x in floats])
-            return (~(peaks <= bound)).sum()
-        counts = [(~(torch.abs(x) <= bound)).sum() for x in floats]
-        return sum_scalars(counts) if not _one_mesh(floats) else functools.reduce(lambda a, b: a + b, counts)
     if all(type(x) in (Tensor, torch.nn.Parameter) for x in xs):
         # min and max of each leaf in one pass each (NaN propagates, ±inf shows), no
         # elementwise mask to count.
@@ -460,8 +448,8 @@ def nonfinite_count(xs: list[Tensor], bound: float | None = None) -> Tensor:
     return sum_scalars(counts)  # several meshes: one collective per mesh and placement
 
 
-def all_finite(xs: list[Tensor], bound: float | None = None) -> Tensor:
-    """A 0-d bool: every element of every leaf is finite (and within ±`bound`)."""
+def all_finite(xs: list[Tensor]) -> Tensor:
+    """A 0-d bool: every element of every leaf is finite."""
     if not xs:
         return torch.ones((), dtype=torch.bool)
-    return nonfinite_count(xs, bound) == 0
+    return nonfinite_count(xs) == 0

@@ -299,10 +299,10 @@ def make_update(
     Eager donation (`donate=True` without compile) applies the update in place without
     materializing it where the transform has an in-place form (`with_in_place`): a
     chain folds its affine tail (weight decay, lr) into the coefficients of
-    `p ← a·p + b·u`, and `scale_by_adam` then runs torch.optim.AdamW's step on CPU, block
-    of leaves by block, with μ and ν updated in their own storage. The params then equal
-    the pure update to rounding, not bitwise (AdamW: μ and ν bitwise torch.optim's, the
-    params to an ulp or so per step). Other new state leaves adopt their new storage
+    `p ← a·p + b·u`, and `scale_by_adam` then runs torch's fused AdamW kernel on CPU (or
+    its foreach step, block of leaves by block, where that kernel does not take them), with
+    μ and ν updated in their own storage. The params then equal the pure update to
+    rounding, not bitwise (an ulp or so per step). Other new state leaves adopt their new storage
     (`Tensor.set_`) or, when small or shared, are copied back.
 
     Flat buffers (`compile=True, donate=True, flat=True`): on the first call the params,

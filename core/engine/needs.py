@@ -24,11 +24,11 @@ transform runs while planning, so `explain()` can answer before the first call.
   giving one or None), as state that is not shaped like the params.
 - `sharded`: why it cannot run on this rank's blocks of FSDP2 shards (math that needs a
   row's place in the whole leaf): the sharded path declines, whole DTensors run it.
-- `bounded`: its new state is finite whenever the grads are, each grad's square is finite
-  in the narrowest float dtype the state holds, and its old state was (moments, momenta,
-  clocks: nothing it keeps sums grads up without bound). `apply_if_finite` over a bounded
-  transform checks the grads alone, in the pass that reads them anyway, instead of reading
-  the new state once more (`bounded(t)`: whether a transform and all its parts are).
+- `bounded`: its new state is finite whenever its old state was and the sum of the grads'
+  squares fits the narrowest float dtype the state holds (moments, momenta, norms, clocks:
+  nothing it keeps sums grads up without bound). `apply_if_finite` over a bounded
+  transform checks the grads' norm alone, the value a clip reads anyway, instead of
+  reading the new state once more (`bounded(t)`: whether a transform and all its parts are).
 - `parts(tree)`: for a transform built of others, each inner transform with the leaves it
   sees: None for the same tree, a list of bools for `{path: leaf}` of the leaves kept
   (what `masked` and `partition` hand their inner transforms).

@@ -63,12 +63,6 @@ def select(tree: Any, keep: Sequence[bool]) -> Any:
     return {p: x for (p, x), k in zip(pairs, keep) if k}
 
 
-def ranks(tree: Any) -> int:
-    """How many ranks hold parts of `tree`'s leaves (1 but over FSDP2 shards)."""
-    shard = _shard(tree)
-    return shard.world if shard is not None else 1
-
-
 def is_sharded(tree: Any) -> bool:
     """Whether `tree`'s leaves are this rank's FSDP2 shards of larger leaves."""
     return getattr(getattr(tree, "pack_spec", None), "shard", None) is not None
@@ -93,16 +87,32 @@ def global_shapes(tree: Any) -> list[torch.Size]:
 
 
 def global_norm(tree: Any) -> Tensor:
-    """‖tree‖₂ over every leaf, a 0-d tensor accumulated in float32 at least."""
+    """‖tree‖₂ over every leaf, a 0-d tensor accumulated in float32 at least.
+
+    Eagerly, a packed tree's norm is computed once while its buffers are unchanged (a
+    clip and `apply_if_finite` over it read the same value: one pass, one collective)."""
     xs = pytree.tree_leaves(tree)
+    memo = _flat.is_packed(tree) and not torch.compiler.is_compiling()
+    versions = tuple(x._version for x in xs) if memo else None
+    if memo and getattr(tree, "norm_memo", (None,))[0] == versions:
+        return tree.norm_memo[1]
     shard = _shard(tree)
     if shard is None:
-        return ls.global_norm(xs)
-    acc = torch.float64 if any(x.dtype == torch.float64 for x in xs) else torch.float32
-    # Σ x² per buffer; a buffer of replicated leaves is counted on rank 0 only.
-    parts = [torch.sum(torch.square(x.to(acc))) * w for x, w in zip(xs, shard.group_weights(tree.pack_spec))]
-    total = torch.stack(parts).sum() if parts else torch.zeros((), dtype=acc)
-    return torch.sqrt(shard.all_reduce(total))
+        norm = ls.global_norm(xs)
+    else:
+        acc = torch.float64 if any(x.dtype == torch.float64 for x in xs) else torch.float32
+        # Σ x² per buffer; a buffer of replicated leaves is counted on rank 0 only.
+        weights = shard.group_weights(tree.pack_spec)
+        if xs and not torch.compiler.is_compiling():  # one foreach pass, no squares held
+            per = torch.stack(ls.norms(xs, acc))
+            total = (per * per * torch.tensor(weights, dtype=acc, device=per.device)).sum()
+        else:
+            parts = [torch.sum(torch.square(x.to(acc))) * w for x, w in zip(xs, weights)]
+            total = torch.stack(parts).sum() if parts else torch.zeros((), dtype=acc)
+        norm = torch.sqrt(shard.all_reduce(total))
+    if memo:
+        tree.norm_memo = (versions, norm)
+    return norm
 
 
 def global_sums(tree: Any, *lists: Sequence[Tensor]) -> list[Tensor]:
@@ -131,13 +141,12 @@ def global_sums(tree: Any, *lists: Sequence[Tensor]) -> list[Tensor]:
     return list(total.unbind(0))
 
 
-def all_finite(tree: Any, xs: Sequence[Tensor], bound: float | None = None) -> Tensor:
-    """A 0-d bool: every element of `xs` is finite (and within ±`bound`) on every rank
-    (`tree` says the layout)."""
+def all_finite(tree: Any, xs: Sequence[Tensor]) -> Tensor:
+    """A 0-d bool: every element of `xs` is finite on every rank (`tree` says the layout)."""
     shard = _shard(tree)
     if shard is None:
-        return ls.all_finite(list(xs), bound)
-    return shard.all_reduce(ls.nonfinite_count(list(xs), bound)) == 0
+        return ls.all_finite(list(xs))
+    return shard.all_reduce(ls.nonfinite_count(list(xs))) == 0
 
 
 def leaf_norms(tree: Any, *lists: Sequence[Tensor]) -> list[Tensor] | list[list[Tensor]]:

@@ -164,20 +164,22 @@ class ShardedEager:
     ) -> None:
         pack, state_spec, ema_spec = self._plan(params)
 
+        # Leaf lists, not tree maps: this runs every step, and its trees have hundreds of leaves.
         def packed(tree: Any, spec: Any, what: str) -> Any:
-            leaves = pytree.tree_leaves(local_tree(tree))
+            leaves = [local(x) for x in pytree.tree_leaves(tree)]
             if len(leaves) != spec.num_leaves:
                 raise ValueError(f"{what} is not structured like the optimizer's state for these params")
             return pytree.tree_unflatten(leaves, spec)
 
-        p = Packed(pack, pytree.tree_leaves(local_tree(params)))
-        g = Packed(pack, tr.check_match(local_tree(grads), local_tree(params), "grads", "params"))
+        p = Packed(pack, [local(x) for x in pytree.tree_leaves(params)])
+        g = Packed(pack, [local(x) for x in tr.check_match(grads, params, "grads", "params")])
         e = packed(ema_state, ema_spec, "ema_state") if self.averaging is not None else None
-        spec = pytree.tree_structure(local_tree(params))
-        extra = {  # the transform's own inputs; those shaped like the params packed as the grads are
-            k: Packed(pack, pytree.tree_leaves(local_tree(v))) if pytree.tree_structure(v) == spec else v
-            for k, v in (extra or {}).items()
-        }
+        if extra:
+            spec = pytree.tree_structure(params)
+            extra = {  # the transform's own inputs; those shaped like the params packed as the grads are
+                k: Packed(pack, [local(x) for x in pytree.tree_leaves(v)]) if pytree.tree_structure(v) == spec else v
+                for k, v in extra.items()
+            }
         return self.eager(p, g, packed(opt_state, state_spec, "opt_state"), e, amp, extra)
 
 

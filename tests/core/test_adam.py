@@ -20,7 +20,7 @@ def _tol(dtype):
 
 
 def test_the_registry_names_the_definition_and_the_eager_kernels():
-    assert set(adam.IMPLEMENTATIONS) == {"definition", "leafwise", "apply_leafwise"}
+    assert set(adam.IMPLEMENTATIONS) == {"definition", "leafwise", "apply_leafwise", "apply_fused"}
     assert adam.IMPLEMENTATIONS["definition"] is adam.definition
 
 
@@ -45,7 +45,8 @@ def test_leafwise_equals_the_definition_over_many_steps(dtype, tensor_betas):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("decay", [1.0, 1.0 - 1e-3 * 0.1], ids=["no decay", "decoupled decay"])
-def test_apply_leafwise_equals_the_definition_applied(dtype, decay):
+@pytest.mark.parametrize("kernel", ["apply_leafwise", "apply_fused"])
+def test_apply_leafwise_equals_the_definition_applied(dtype, decay, kernel):
     b1, b2, eps, lr = 0.9, 0.999, 1e-8, 1e-3
     p_d = _leaves(dtype, 0)
     p_l = [p.clone() for p in p_d]
@@ -57,7 +58,10 @@ def test_apply_leafwise_equals_the_definition_applied(dtype, decay):
         bc1, bc2 = 1.0 - b1**t, 1.0 - b2**t
         mu_d, nu_d, u = adam.definition(None, gs, gs, mu_d, nu_d, b1, b2, bc1, bc2, eps)
         p_d = [decay * p - lr * x for p, x in zip(p_d, u)]
-        adam.apply_leafwise(gs, mu_l, nu_l, p_l, b1, b2, bc1, bc2, eps, decay, -lr)  # in place
+        if kernel == "apply_leafwise":
+            adam.apply_leafwise(gs, mu_l, nu_l, p_l, b1, b2, bc1, bc2, eps, decay, -lr)  # in place
+        else:
+            assert adam.apply_fused(gs, mu_l, nu_l, p_l, b1, b2, t, eps, decay, -lr)
         for a, b in zip(mu_l + nu_l + p_l, mu_d + nu_d + p_d):
             torch.testing.assert_close(a, b, **_tol(dtype))
 
@@ -94,3 +98,23 @@ def test_ademamix_without_its_slow_momentum_is_adam():
         u_ref, s_ref = ref.update(grads, s_ref, params)
         for k in params:
             torch.testing.assert_close(u_mix[k], u_ref[k], rtol=1e-12, atol=1e-14)
+
+
+def test_apply_fused_declines_what_its_kernel_does_not_take():
+    """torch's fused kernel walks each tensor's storage and reads Python scalars: a strided
+    leaf, a zero lr or a scalar autograd records go to `apply_leafwise` (nothing changed)."""
+    gs = _leaves(torch.float32, 1)
+    ps_ = _leaves(torch.float32, 2)
+    mu, nu = [torch.zeros_like(x) for x in ps_], [torch.zeros_like(x) for x in ps_]
+    before = [p.clone() for p in ps_]
+    t = torch.tensor(1.0, dtype=torch.float64)
+    strided = [p.t() if p.dim() == 2 and p.shape[0] != p.shape[1] else p for p in ps_]
+    strided_g = [g.t() if g.dim() == 2 and g.shape[0] != g.shape[1] else g for g in gs]
+    strided_m = [m.t() if m.dim() == 2 and m.shape[0] != m.shape[1] else m for m in mu]
+    strided_v = [v.t() if v.dim() == 2 and v.shape[0] != v.shape[1] else v for v in nu]
+    assert not adam.apply_fused(strided_g, strided_m, strided_v, strided, 0.9, 0.999, t, 1e-8, 1.0, -1e-3)
+    assert not adam.apply_fused(gs, mu, nu, ps_, 0.9, 0.999, t, 1e-8, 1.0, 0.0)
+    lr = torch.tensor(-1e-3, dtype=torch.float64, requires_grad=True)
+    assert not adam.apply_fused(gs, mu, nu, ps_, 0.9, 0.999, t, 1e-8, 1.0, lr)
+    assert all(torch.equal(a, b) for a, b in zip(ps_, before))
+    assert all(torch.count_nonzero(m) == 0 for m in mu + nu)

@@ -89,12 +89,13 @@ def global_shapes(tree: Any) -> list[torch.Size]:
 def global_norm(tree: Any) -> Tensor:
     """‖tree‖₂ over every leaf, a 0-d tensor accumulated in float32 at least.
 
-    Eagerly, a packed tree's norm is computed once while its buffers are unchanged (a
-    clip and `apply_if_finite` over it read the same value: one pass, one collective)."""
+    A packed tree's norm is computed once (a clip and `apply_if_finite` over it read the
+    same value: one pass, one collective): eagerly while its buffers are unchanged, in a
+    compiled step for the tree object the step made (its values never change there)."""
     xs = pytree.tree_leaves(tree)
-    memo = _flat.is_packed(tree) and not torch.compiler.is_compiling()
-    versions = tuple(x._version for x in xs) if memo else None
-    if memo and getattr(tree, "norm_memo", (None,))[0] == versions:
+    memo = _flat.is_packed(tree)
+    versions = None if torch.compiler.is_compiling() else tuple(x._version for x in xs)
+    if memo and getattr(tree, "norm_memo", (0, None))[0] == versions:
         return tree.norm_memo[1]
     shard = _shard(tree)
     if shard is None:

@@ -288,8 +288,8 @@ class Group:
 
     def torch_steps(self) -> list[Tensor]:
         """Each param's step count as torch keeps `step` (a CPU float), read once per cohort."""
-        read: dict[int, Tensor] = {}
-        return [read.setdefault(id(c), L.torch_step(c.step())).clone() for c in self.owner]
+        read = {id(c): L.torch_step(c.step()) for c in self.cohorts}
+        return [read[id(c)].clone() for c in self.owner]
 
     def sync(self) -> None:
         """The group's state shows the clocks its cohorts keep (a state_dict's shared state)."""
@@ -394,8 +394,9 @@ class Group:
             steps: dict[int, Tensor] = {}  # per cohort, read once
             for j in show:
                 c = self.owner[j]
-                step = steps.setdefault(id(c), L.torch_step(c.step()))
-                dict.setdefault(state, params[j], {})["step"] = self.shown[j, "step"] = step.clone()
+                if id(c) not in steps:
+                    steps[id(c)] = L.torch_step(c.step())
+                dict.setdefault(state, params[j], {})["step"] = self.shown[j, "step"] = steps[id(c)].clone()
 
     def take_edits(self, state: TorchState, params: list[Tensor], index: int, only: set[int] | None = None) -> None:
         """What code changed in `state` for this group's params since the last step, taken in

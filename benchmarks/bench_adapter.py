@@ -10,6 +10,9 @@ Contenders, timed round-robin (warm-up, then the median of `--reps` steps):
 - `adapter default`: `Optimizer(params, ps.adamw, lr=...)` as constructed with no `compile`
   argument: at this size it compiles (`AUTO_COMPILE_NUMEL`); its first step is timed apart.
 - `adapter eager`: the same with `compile=False`.
+- `adapter default, reads state[p]` / `reads all state`: the default adapter, with code that
+  reads one param's `step` (`float(opt.state[p]["step"])`) or every entry of `opt.state`
+  before each step, as logging or a wrapper optimizer would: what reading costs a step.
 - `make_update compiled` / `make_update eager`: `ps.make_update(ps.inject_hyperparams(ps.adamw)(...),
   compile=..., donate=True)`, the update the adapter runs, called on plain tensors without the
   adapter, so the adapter's own overhead shows (`--no-raw` skips them).
@@ -63,6 +66,19 @@ def contenders(numel: int, n: int, device: torch.device, raw: bool):
         opt = Optimizer(torch_params(), ps.adamw, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, compile=compile)
         first[name] = C.first_call(opt.step, device)
         fns[name] = opt.step
+    for name, read in (("adapter default, reads state[p]", "one"), ("adapter default, reads all state", "all")):
+        opt = Optimizer(torch_params(), ps.adamw, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+        p0 = opt.param_groups[0]["params"][0]
+
+        def step(opt=opt, p0=p0, read=read):
+            if read == "one":
+                float(opt.state[p0]["step"])
+            else:
+                sum(len(entry) for entry in opt.state.values())
+            opt.step()
+
+        first[name] = C.first_call(step, device)
+        fns[name] = step
     # The physical limit beside the peers: the in-place bandwidth `a.add_(b)` reaches
     # (12 B/elem) over the same number of floats, timed in the same round-robin.
     a, b = torch.ones(numel, device=device), torch.ones(numel, device=device)

@@ -12,7 +12,8 @@ import purestep.core as ps
 
 from . import _layout as L
 from . import _state_dict as SD
-from ._group import Group, ParamGroup, TorchState, real, refuse_grads
+from ._group import Group, ParamGroup, real, refuse_grads
+from ._torch_state import Entry, TorchState
 
 # A group with at least this many elements compiles its update by default (see `Optimizer`).
 AUTO_COMPILE_NUMEL = 1 << 22
@@ -124,6 +125,7 @@ class Optimizer(torch.optim.Optimizer):
         self.transform = transform
         self._compile = compile
         self._groups: list[Group] = []
+        self._where: dict[int, tuple[int, int]] = {}  # id(param) -> (group, position): `state[p]` finds it at once
         self._n_params = 0
         self._factory: Callable[..., ps.Transform] | None = None
         self._kwargs: dict[str, Any] = {}
@@ -164,10 +166,10 @@ class Optimizer(torch.optim.Optimizer):
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "state" and "state" in self.__dict__ and not isinstance(value, TorchState):
             self.state.fresh()  # what it showed, to compare with at the next step
-            replaced = TorchState(
-                self._expose_all, self._expose_one
-            )  # code replaced the state dict: taken in at the next step
-            dict.update(replaced, value)
+            # code replaced the state dict: taken in at the next step
+            replaced = TorchState(self._expose_all, self._expose_one)
+            for key, entry in value.items():
+                dict.__setitem__(replaced, key, Entry(replaced, key, entry) if isinstance(entry, dict) else entry)
             replaced.edited, replaced.stale, value = True, False, replaced
         super().__setattr__(name, value)
 
@@ -268,6 +270,7 @@ class Optimizer(torch.optim.Optimizer):
             group.update(g.pushed)  # the values as the state holds them
         self._push(group, g, index)
         self._groups.append(g)
+        self._where.update((id(p), (index, j)) for j, p in enumerate(params))
         if isinstance(self.state, TorchState):  # torch.optim's __init__ adds the first groups to a plain dict
             self.state.mark_stale()
 
@@ -323,7 +326,7 @@ class Optimizer(torch.optim.Optimizer):
             self._push(group, g, index)
             amp = {k: v for k in ("grad_scale", "found_inf") if (v := getattr(self, k, None)) is not None}
             g.run(params, grads, amp)
-        self.state.mark_stale()  # `state` shows the new buffers when it is next read
+        self.state.mark_stale(steps_only=True)  # `state` shows the new steps when it is next read
 
     # ------------------------------------------------------------------ state
 
@@ -364,20 +367,31 @@ class Optimizer(torch.optim.Optimizer):
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         SD.load(self, state_dict)
 
-    def _expose_all(self, skip: set[int] | frozenset[int] = frozenset()) -> None:
+    def _expose_all(self, skip: set[int] | frozenset[int] = frozenset(), steps_only: bool = False) -> None:
         for group, g in zip(self.param_groups, self._groups):
             if not g.lazy and L.keeps_buffers(g.mirror, group):
-                g.expose(self.state, group["params"], skip=skip)
+                g.expose(self.state, group["params"], skip=skip, steps_only=steps_only)
 
-    def _expose_one(self, param: Tensor) -> bool:
+    def _expose_one(self, param: Tensor, steps_only: bool = False) -> bool:
         """`state[param]` alone shown; False when `param` is none of this optimizer's params."""
-        for group, g in zip(self.param_groups, self._groups):
-            for j, p in enumerate(group["params"]):
-                if p is param:
-                    if not g.lazy and L.keeps_buffers(g.mirror, group):
-                        g.expose(self.state, group["params"], only={j})
-                    return True
-        return False
+        at = self._where.get(id(param))
+        if at is None or self.param_groups[at[0]]["params"][at[1]] is not param:  # not found where it was put
+            at = next(
+                (
+                    (i, j)
+                    for i, group in enumerate(self.param_groups)
+                    for j, p in enumerate(group["params"])
+                    if p is param
+                ),
+                None,
+            )
+            if at is None:
+                return False
+            self._where[id(param)] = at
+        group, g = self.param_groups[at[0]], self._groups[at[0]]
+        if not g.lazy and L.keeps_buffers(g.mirror, group):
+            g.expose(self.state, group["params"], only={at[1]}, steps_only=steps_only)
+        return True
 
     def _take_edits(self) -> None:
         """What code changed in `state` since the last step, taken in (see `Group.take_edits`):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from typing import Any, Callable
 
@@ -13,6 +12,7 @@ from torch import Tensor
 import purestep.core as ps
 
 from . import _layout as L
+from ._torch_state import TorchState
 
 MISSING = object()
 
@@ -26,102 +26,6 @@ class ParamGroup(dict):
             f"ps.inject_hyperparams(factory)({key}=...), or give Optimizer the factory "
             f"(Optimizer(params, ps.adamw, {key}=...)), so schedulers and param groups can set it"
         )
-
-
-class TorchState(collections.defaultdict):
-    """torch.optim's `state` (param -> dict): the params' purestep buffers are filled in when
-    it is read, so a step only marks it stale and costs nothing here. Reading one param's
-    entry (`state[p]`, `state.get(p)`, `p in state`) shows that entry alone and marks that
-    param `touched`; any other read or a write shows every entry and marks the whole state
-    `edited` (what a read returns may be written to). The next step takes in what code
-    changed (`Group.take_edits`), for the touched params only when nothing else was read, so
-    code that reads a param's `step` or moments every step costs one entry, not all of them."""
-
-    def __init__(
-        self, refresh: Callable[[set[int]], None], refresh_one: Callable[[Tensor], bool] | None = None
-    ) -> None:
-        super().__init__(dict)
-        self._refresh, self._refresh_one = refresh, refresh_one
-        self.stale, self.edited = True, False
-        self.shown_now: set[int] = set()  # ids of the params shown since the state went stale
-        self.touched: dict[int, Tensor] = {}  # params read one by one since the last step
-
-    def mark_stale(self) -> None:
-        """The buffers moved on (a step, a load): every entry is shown anew when next read."""
-        self.stale, self.shown_now = True, set()
-
-    def fresh(self) -> "TorchState":
-        self.edited = True
-        if self.stale:
-            self.stale = False
-            self._refresh(self.shown_now)  # the entries shown one by one keep what code did to them
-        return self
-
-    def _one(self, key: Any) -> bool:
-        """Show `key`'s entry alone (a param this state knows); False for anything else."""
-        if self._refresh_one is None or not isinstance(key, Tensor):
-            return False
-        if self.stale and id(key) not in self.shown_now:
-            if not self._refresh_one(key):
-                return False
-            self.shown_now.add(id(key))
-        self.touched[id(key)] = key
-        return True
-
-    # Writes show the buffers first, so that the next step sees what was there before them.
-    def __setitem__(self, key: Any, value: Any) -> None:
-        super(TorchState, self.fresh()).__setitem__(key, value)
-
-    def __delitem__(self, key: Any) -> None:
-        super(TorchState, self.fresh()).__delitem__(key)
-
-    def pop(self, *args: Any) -> Any:
-        return super(TorchState, self.fresh()).pop(*args)
-
-    def popitem(self) -> Any:
-        return super(TorchState, self.fresh()).popitem()
-
-    def setdefault(self, key: Any, default: Any = None) -> Any:
-        return super(TorchState, self.fresh()).setdefault(key, default)
-
-    def update(self, *args: Any, **kwargs: Any) -> None:
-        super(TorchState, self.fresh()).update(*args, **kwargs)
-
-    def clear(self) -> None:
-        super(TorchState, self.fresh()).clear()
-
-    def __getitem__(self, key: Any) -> Any:
-        if self._one(key):
-            return super().__getitem__(key)  # a param without an entry gets an empty one, as torch's
-        return super(TorchState, self.fresh()).__getitem__(key)
-
-    def __iter__(self) -> Any:
-        return super(TorchState, self.fresh()).__iter__()
-
-    def __len__(self) -> int:
-        return super(TorchState, self.fresh()).__len__()
-
-    def __contains__(self, key: Any) -> bool:
-        if self._one(key):
-            return super().__contains__(key)
-        return super(TorchState, self.fresh()).__contains__(key)
-
-    def __repr__(self) -> str:
-        return dict.__repr__(self.fresh())
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        if self._one(key):
-            return super().get(key, default)
-        return super(TorchState, self.fresh()).get(key, default)
-
-    def items(self) -> Any:
-        return super(TorchState, self.fresh()).items()
-
-    def keys(self) -> Any:
-        return super(TorchState, self.fresh()).keys()
-
-    def values(self) -> Any:
-        return super(TorchState, self.fresh()).values()
 
 
 @dataclasses.dataclass
@@ -146,9 +50,16 @@ class Cohort:
     def hyper(self) -> dict[str, Any]:
         return ps.get_hyperparams(self.state)
 
+    def leaves(self) -> list[Tensor]:
+        """Its state's leaves, flattened once per state tree (a donated update keeps the tree)."""
+        cached = self.__dict__.get("_leaves")
+        if cached is None or cached[0] is not self.state:
+            self._leaves = (self.state, ps.tree_leaves(self.state))
+        return self._leaves[1]
+
     def step(self) -> Tensor:
         """Its step count (torch's `step` of each of its params)."""
-        return ps.tree_leaves(self.state)[self.count_at[0]]
+        return self.leaves()[self.count_at[0]]
 
 
 class Group:
@@ -182,6 +93,7 @@ class Group:
         self.mirror: L.Mirror | None = None
         self.static: dict[str, Any] = {}  # group key -> the value the transform was built with
         self.shown: dict[tuple[int, str], Any] = {}  # (param index, key) -> the object `state` shows
+        self.live: set[int] = set()  # params whose entries show the live buffers (a step changes only steps)
         self.refresh()
 
     def leaves(self) -> Any:
@@ -194,7 +106,7 @@ class Group:
 
     def refresh(self) -> None:
         """Re-read the injected hyperparameters after the state was replaced."""
-        self.shown = {}
+        self.shown, self.live = {}, set()
         self.hyper = ps.get_hyperparams(self.state)  # key -> the live 0-d tensor(s)
         self.pushed = {k: plain(v) for k, v in self.hyper.items()}  # key -> value in the state
         self.index_buffers()
@@ -244,7 +156,7 @@ class Group:
             state = pytree.tree_unflatten(values, spec)
             for new, old in zip(ps.tree_leaves(ps.get_hyperparams(state)), ps.tree_leaves(self.hyper)):
                 new.copy_(old)
-            theirs = ps.tree_leaves(source.state)
+            theirs = source.leaves()
             count_at = [i for i, r in enumerate(roles) if r.kind == "count"]
             clock_at = [i for i, r in enumerate(roles) if r.kind == "clock"]
             for i, k in zip(count_at, source.count_at):
@@ -263,12 +175,12 @@ class Group:
             for j in c.members:
                 parts.setdefault(key(j), []).append(j)
             if len(parts) == 1:
-                k = next(iter(parts))
-                if step(k) is not None:
+                value = step(next(iter(parts)))
+                if value is not None:
                     with torch.no_grad():
-                        leaves = ps.tree_leaves(c.state)
+                        leaves = c.leaves()
                         for i in c.count_at:
-                            leaves[i].fill_(step(k))
+                            leaves[i].fill_(value)
                 out.append(c)
                 continue
             out += [self._cohort(members, c, step(k)) for k, members in parts.items()]
@@ -326,7 +238,7 @@ class Group:
                 for j, new in zip(c.members, new_params.values()):
                     params[j].copy_(new)
         for c in idle:  # the group stepped: its schedules' steps advance for every cohort
-            leaves = ps.tree_leaves(c.state)
+            leaves = c.leaves()
             for i in c.clock_at:
                 leaves[i].add_(1 if "found_inf" not in amp else (amp["found_inf"] == 0).to(leaves[i].dtype))
         if len(self.cohorts) == 1:
@@ -346,7 +258,7 @@ class Group:
             state = self.transform.init(self.tree)
         for new, old in zip(ps.tree_leaves(ps.get_hyperparams(state)), ps.tree_leaves(self.hyper)):
             new.copy_(old)  # the values the group set while the params were meta
-        self.state, self.lazy, self.shown = state, False, {}
+        self.state, self.lazy, self.shown, self.live = state, False, {}, set()
         self.meta = [(p.shape, p.dtype, p.device) for p in params]
         self.addresses = [p.data_ptr() for p in params]
         self.hyper = ps.get_hyperparams(self.state)
@@ -374,29 +286,36 @@ class Group:
         params: list[Tensor],
         only: set[int] | None = None,
         skip: frozenset[int] | set[int] = frozenset(),
+        steps_only: bool = False,
     ) -> None:
         """`state[param]` shows the param's own buffers (the live state tensors, torch's
         names where the factory mirrors a torch class), as torch.optim's state does: code
         that reads it, and torch.distributed.checkpoint's `get_state_dict` (which steps an
         optimizer whose state is empty), see what there is. `only`: those positions alone;
-        `skip`: the ids of params shown already (their entries are left as code left them)."""
+        `skip`: the ids of params shown already (their entries are left as code left them);
+        `steps_only`: after a step, whose buffers are the same tensors (their values moved
+        on in place), only the steps of entries that show them are new."""
         leaves = self.leaves()
         show = [j for j in (range(len(params)) if only is None else sorted(only)) if id(params[j]) not in skip]
         if not show:
             return
-        wanted = set(show)
+        wanted = {j for j in show if not (steps_only and j in self.live)}
+        # A complex param shows a view of its buffer, which a step may re-point (not live).
+        self.live.update(j for j in show if not (self.differentiable or params[j].is_complex()))
         for i, j, key in self.buffers:
             if j in wanted:
                 p = params[j]
                 value = torch.view_as_complex(leaves[i]) if p.is_complex() else leaves[i]
-                dict.setdefault(state, p, {})[key] = self.shown[j, key] = value
+                dict.__setitem__(state.entry(p), key, value)  # shown, not written: no edit to take in
+                self.shown[j, key] = value
         if self.has_step:  # torch's per-param `step`: the param's count, as torch keeps it (a CPU float)
             steps: dict[int, Tensor] = {}  # per cohort, read once
             for j in show:
                 c = self.owner[j]
                 if id(c) not in steps:
                     steps[id(c)] = L.torch_step(c.step())
-                dict.setdefault(state, params[j], {})["step"] = self.shown[j, "step"] = steps[id(c)].clone()
+                step = self.shown[j, "step"] = steps[id(c)].clone()
+                dict.__setitem__(state.entry(params[j]), "step", step)
 
     def take_edits(self, state: TorchState, params: list[Tensor], index: int, only: set[int] | None = None) -> None:
         """What code changed in `state` for this group's params since the last step, taken in
@@ -439,7 +358,9 @@ class Group:
                 )
             with torch.no_grad():
                 leaves[i].copy_(new)
-            entry[key] = self.shown[j, key] = value
+            dict.__setitem__(entry, key, value)  # taken in: not an edit to take again
+            self.shown[j, key] = value
+            self.live.discard(j)  # it shows the tensor code gave, not the live buffer
         if steps:
             self.regroup(lambda j: steps.get(self.names[j]), lambda k: k)
 
@@ -464,6 +385,7 @@ class Group:
         for j in which:
             for key in [k for (jj, k) in self.shown if jj == j]:
                 del self.shown[j, key]
+            self.live.discard(j)
 
     def hold(self, params: list[Tensor], grads: list[Tensor | None]) -> tuple[list, list]:
         """Copies of the params without a grad and of their own state buffers, put back after the

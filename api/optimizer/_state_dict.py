@@ -125,7 +125,7 @@ def load(opt: Any, state_dict: dict[str, Any]) -> None:
         opt._push(group, g, index)
         for p in group["params"]:  # what code put there before is replaced by what was saved
             dict.pop(opt.state, p, None)
-        g.shown = {}
+        g.shown, g.live = {}, set()
         opt.state.mark_stale()
     for p, extra in zip((p for group in opt.param_groups for p in group["params"]), extras):
         if extra:

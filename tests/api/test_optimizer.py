@@ -702,9 +702,11 @@ def test_fused_adapter_does_not_step_when_found_inf_is_set_by_hand():
     assert float(opt.state_dict()["state"][0]["step"]) == 1
 
 
-def test_reading_one_params_state_each_step_shows_and_checks_that_entry_alone():
-    """#32: code that reads a param's `step` or moments every step costs that entry, not a walk
-    over every buffer; the entry is live (torch's values) and an edit to it is still taken in."""
+@pytest.mark.parametrize("read", ["one entry", "whole state"])
+def test_reading_state_each_step_costs_the_next_step_nothing(read):
+    """#32: code that reads a param's `step` or moments (or the whole state) every step marks
+    nothing for the next step to check: one entry read shows that entry alone; the entries
+    are live (torch's values), and a write to one is still taken in, that param alone."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     twin = copy.deepcopy(model)
     ours = Optimizer(model.parameters(), ps.adamw, lr=1e-2, compile=False)
@@ -715,11 +717,16 @@ def test_reading_one_params_state_each_step_shows_and_checks_that_entry_alone():
             opt.zero_grad()
             m(torch.ones(2, 4)).sum().backward()
             opt.step()
-        entry = ours.state[first]
+        if read == "one entry":
+            entry = ours.state[first]
+            assert id(other) not in ours.state.shown_now  # that entry alone shown
+        else:
+            entry = dict(ours.state.items())[first]
+            assert len(ours.state) == 4 and all("exp_avg" in e for e in ours.state.values())
         assert float(entry["step"]) == step == float(theirs.state[next(twin.parameters())]["step"])
-        assert set(ours.state.touched) == {id(first)} and not ours.state.edited  # one entry shown and marked
-        assert id(other) not in ours.state.shown_now
+        assert not ours.state.touched and not ours.state.edited  # reads: nothing to take in
     entry["exp_avg"] = torch.zeros_like(entry["exp_avg"])  # an edit to the entry read: taken in
+    assert set(ours.state.touched) == {id(first)} and not ours.state.edited
     theirs.state[next(twin.parameters())]["exp_avg"] = torch.zeros_like(entry["exp_avg"])
     for m, opt in ((model, ours), (twin, theirs)):
         opt.zero_grad()

@@ -107,7 +107,13 @@ class RunDir:
         self.checkpoints = (
             None
             if self.out is None
-            else CheckpointManager(self.out, keep_last=config.keep_last or 1 << 30, world=world, distributed=sharded)
+            else CheckpointManager(
+                self.out,
+                keep_last=config.keep_last or 1 << 30,
+                world=world,
+                distributed=sharded,
+                background=config.async_checkpoint,
+            )
         )
         self.metrics = MetricsFile(self.out / "metrics.jsonl" if self.out else None, world.main)
         self.saved_at: int | None = None

@@ -101,7 +101,9 @@ class TrainConfig(_Section):  # type: ignore[misc]  # msgspec's frozen Struct, n
     micro-batches; `seed` seeds the model's init and the data. Metrics every `log_every`
     steps; evaluation on `eval_batches` validation batches every `eval_every` steps (0:
     never); a checkpoint every `checkpoint_every` steps (0: only at the end; a finished
-    run always has one), of which `keep_last` are kept. `strategy`, `precision` and
+    run always has one), of which `keep_last` are kept; with `async_checkpoint` a save
+    blocks the loop only while the state is copied to host memory, and is written in the
+    background (see `CheckpointManager`'s `background`). `strategy`, `precision` and
     `compile` say how it runs; `ema_decay` keeps an EMA of the params (None: none).
 
     `strategy`: "single", "ddp", "fsdp" (FSDP2 over every rank) or "hsdp" (FSDP2 inside
@@ -140,6 +142,7 @@ class TrainConfig(_Section):  # type: ignore[misc]  # msgspec's frozen Struct, n
     grad_accum: PositiveInt = 1
     checkpoint_every: NonNegativeInt = 0
     keep_last: Union[PositiveInt, None] = 3
+    async_checkpoint: bool = False
     log_every: PositiveInt = 10
     eval_every: NonNegativeInt = 0
     time_budget: Union[Annotated[float, Meta(gt=0)], None] = None

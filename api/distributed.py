@@ -195,22 +195,38 @@ def all_reduce_max(t: Tensor, world: World) -> Tensor:
     return t
 
 
-def broadcast_object(obj: Any, world: World) -> Any:
-    """Rank 0's `obj` on every rank."""
+def broadcast_object(obj: Any, world: World, group: Any = None) -> Any:
+    """Rank 0's `obj` on every rank (over `group`, the default process group if None)."""
     if world.size == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
-def gather_object(obj: Any, world: World) -> list[Any]:
+def gather_object(obj: Any, world: World, group: Any = None) -> list[Any]:
     """Every rank's `obj`, in rank order, on rank 0 (an empty list elsewhere)."""
     if world.size == 1:
         return [obj]
     out: list[Any] | None = [None] * world.size if world.main else None
-    dist.gather_object(obj, out, dst=0)
+    dist.gather_object(obj, out, dst=0, group=group)
     return out if out is not None else []
+
+
+_SIDE_GROUPS: dict[int, Any] = {}
+
+
+def side_group(world: World) -> Any:
+    """A gloo process group over every rank beside the default one, made once (a collective
+    the first time): for collectives a background thread runs while the training loop runs
+    its own on the default group (an asynchronous checkpoint's). None in a world of one."""
+    if world.size == 1:
+        return None
+    key = id(dist.distributed_c10d._get_default_group())
+    if key not in _SIDE_GROUPS:
+        _SIDE_GROUPS.clear()  # a group of an earlier default group is gone with it
+        _SIDE_GROUPS[key] = dist.new_group(backend="gloo")
+    return _SIDE_GROUPS[key]
 
 
 def agree(error: str | None, world: World) -> str | None:

@@ -118,7 +118,7 @@ def save_checkpoint(
         tensor([1., 1.])
     """
     world = D.current_world() if distributed else store.ONE
-    return store.save(
+    return store.save(  # type: ignore[return-value]  # not in the background: the path
         Path(path),
         (params, opt_state, ema),
         step=step,
@@ -222,6 +222,13 @@ class CheckpointManager:
       distributed: save in the sharded "dcp" layout (FSDP2: every rank writes its shards);
         otherwise rank 0 writes plain files (DTensor leaves gathered first). Loading reads
         either layout into any world.
+      background: `save` returns once the state is copied to host memory (and, in the
+        files layout, its DTensors gathered); a thread per rank writes the files, seals and
+        publishes the checkpoint, its collectives on a process group of its own, as
+        torchtitan's `async_mode`. The next `save`, `wait`, `restore`, `cleanup` and
+        `release` wait for it first, and raise its `CheckpointError` if it failed; until it
+        is published, `latest` is the one before. A process killed during the write leaves
+        the last good checkpoint as it was and nothing of the new one taken for good.
 
     Examples:
         >>> import tempfile, torch
@@ -236,11 +243,18 @@ class CheckpointManager:
     """
 
     def __init__(
-        self, run_dir: str | os.PathLike, *, keep_last: int = 3, world: D.World | None = None, distributed: bool = False
+        self,
+        run_dir: str | os.PathLike,
+        *,
+        keep_last: int = 3,
+        world: D.World | None = None,
+        distributed: bool = False,
+        background: bool = False,
     ) -> None:
         check_int("keep_last", keep_last, 1)
         self.run_dir, self.folder = Path(run_dir), Path(run_dir) / "checkpoints"
-        self.keep_last, self.distributed = keep_last, distributed
+        self.keep_last, self.distributed, self.background = keep_last, distributed, bool(background)
+        self._pending: store.Pending | None = None
         self.world = world if world is not None else D.current_world()
         self._good: dict[Path, str] = {}  # checkpoints known to verify: path -> manifest checksum
         self._lock, self._holding = RunLock(self.run_dir), False
@@ -266,9 +280,26 @@ class CheckpointManager:
         self._holding = True
 
     def release(self) -> None:
-        """Let go of the run directory (another run may then write to it)."""
-        self._lock.release()
-        self._holding = False
+        """Let go of the run directory (another run may then write to it), once a save in the
+        background is done (its error, if any, is raised after)."""
+        try:
+            self.wait()
+        finally:
+            self._lock.release()
+            self._holding = False
+
+    def wait(self) -> Path | None:
+        """Wait for the save writing in the background, if any (every rank calls): its path on
+        rank 0 (None elsewhere, or when none was pending); `CheckpointError` if it failed."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        path = pending.wait()
+        if self.world.main:
+            self._good[path] = read_manifest(path).checksum  # hashed as it was written
+            self._good = {p: c for p, c in self._good.items() if p.is_dir()}
+            return path
+        return None
 
     def save(
         self,
@@ -285,9 +316,12 @@ class CheckpointManager:
 
         Crashed saves' leftovers are removed first. Raises `CheckpointError` (one line
         naming the path) on every rank when the checkpoint cannot be written, and
-        `RunDirError` when another process holds the run directory (see `hold`).
+        `RunDirError` when another process holds the run directory (see `hold`). With
+        `background`, it returns once the state is copied, the path where the checkpoint
+        will be once written (see the class); a failure is raised by the next call that waits.
         """
         self.hold()
+        self.wait()
         path = store.save(
             checkpoint_dir(self.run_dir, step),
             (params, opt_state, ema),
@@ -298,7 +332,11 @@ class CheckpointManager:
             rng=True,
             keep_last=self.keep_last,
             is_good=self._is_good,
+            background=self.background,
         )
+        if isinstance(path, store.Pending):
+            self._pending = path
+            return path.path if self.world.main else None
         if self.world.main:
             self._good[path] = read_manifest(path).checksum  # hashed as it was written
             self._good = {p: c for p, c in self._good.items() if p.is_dir()}  # pruned ones go: bounded by keep_last
@@ -342,6 +380,7 @@ class CheckpointManager:
         why, and the next older one is tried. `check(path, manifest)` may refuse one more
         (raising `CheckpointError`) before anything is loaded: the caller's own metadata.
         """
+        self.wait()
         paths = D.broadcast_object(dirs.candidates(self.folder), self.world)
         for path in paths:
             try:
@@ -359,6 +398,7 @@ class CheckpointManager:
         Holds the run directory first, so a live writer's temporaries are never touched.
         """
         self.hold()
+        self.wait()
         if self.world.main:
             dirs.cleanup(self.folder)
         D.barrier(self.world)

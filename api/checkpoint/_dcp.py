@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from torch import Tensor
 
@@ -23,15 +24,18 @@ from ._reader import Chunk, quiet_dcp
 _SHARDING = "DCP_SHARDING_INFO"  # the header entry where DCP's safetensors writer keeps each shard's offsets
 
 
-def write(tmp: Path, state: dict[str, Tensor], order: dict[str, list[str]], world: D.World) -> dict[str, FileEntry]:
-    """Every rank writes its shards into `tmp` (a collective); the files this rank wrote, hashed and fsynced."""
+def write(
+    tmp: Path, state: dict[str, Tensor], order: dict[str, list[str]], world: D.World, group: Any = None
+) -> dict[str, FileEntry]:
+    """Every rank writes its shards into `tmp` (a collective over `group`, the default process
+    group if None); the files this rank wrote, hashed and fsynced."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
 
     mapping = {fqn: GROUPS.index(fqn.split(".", 1)[0]) + 1 for fqn in state}
     writer = HuggingFaceStorageWriter(str(tmp), fqn_to_index_mapping=mapping, save_distributed=True)
     with quiet_dcp():
-        dcp.save(state, storage_writer=writer, no_dist=world.size == 1)
+        dcp.save(state, storage_writer=writer, process_group=group, no_dist=world.size == 1)
     # DCP numbers a rank's files rank + 1.
     return {f.name: hash_and_fsync(f) for f in sorted(tmp.glob(f"shard-{world.rank + 1:05d}-*.safetensors"))}
 

@@ -11,6 +11,7 @@ and reads the same files.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from torch import Tensor
 
@@ -19,8 +20,11 @@ from ._format import DTYPES, GROUPS, FileEntry, Manifest, read_header, write_ten
 from ._reader import Chunk
 
 
-def write(tmp: Path, state: dict[str, Tensor], order: dict[str, list[str]], world: D.World) -> dict[str, FileEntry]:
-    """Rank 0 writes one file per group into `tmp` (every rank calls: DTensors are gathered); its files."""
+def write(
+    tmp: Path, state: dict[str, Tensor], order: dict[str, list[str]], world: D.World, group: Any = None
+) -> dict[str, FileEntry]:
+    """Rank 0 writes one file per group into `tmp` (every rank calls: DTensors are gathered,
+    over the default process group; `group` is unused, staged trees hold no DTensors); its files."""
     state = D.full_tree(state)
     if not world.main:
         return {}

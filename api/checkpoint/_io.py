@@ -3,7 +3,11 @@
 A save: rank 0 removes crashed saves' leftovers, makes room for `keep_last`, and creates
 a temporary directory; the layout writes into it (rank 0 alone, or every rank's shards);
 rank 0 adds the RNG states and the sealed manifest and publishes the directory with one
-rename. Every rank learns the outcome, so all raise or none does.
+rename. Every rank learns the outcome, so all raise or none does. In the background
+(`background=True`), the call returns once the state is copied to host memory (the files
+layout gathers its DTensors first), and a thread per rank writes, seals and publishes,
+its collectives on a process group of their own (`distributed.side_group`); a process
+killed meanwhile leaves the temporary directory unpublished, which the next save removes.
 
 A load: rank 0 verifies every file; every rank checks the trees it loads into against
 the checkpoint's tensors, leaf for leaf (name, shape, dtype: never a broadcast), and
@@ -15,6 +19,7 @@ from __future__ import annotations
 import os
 import platform
 import random
+import threading
 import time
 from importlib import metadata as _metadata
 from pathlib import Path
@@ -87,8 +92,10 @@ def save(
     rng: bool,
     keep_last: int | None,
     is_good: Callable[[Path], bool],
-) -> Path:
-    """The one save: rank 0 prepares a temporary directory, the layout writes into it, rank 0 seals and publishes."""
+    background: bool = False,
+) -> Path | "Pending":
+    """The one save: rank 0 prepares a temporary directory, the layout writes into it, rank 0
+    seals and publishes. `background`: a `Pending` save, returned once the state is copied."""
     check_int("step", step)
     if keep_last is not None:
         check_int("keep_last", keep_last, 1)
@@ -111,50 +118,119 @@ def save(
     tmp, problem = D.broadcast_object((tmp, problem), world)
     if problem is not None:
         raise CheckpointError(problem)
-    try:
-        mine, error = _LAYOUT[layout].write(tmp, state, order, world), None
-    except BaseException as e:  # DCP raises its failures as a BaseException; an interrupt inside it stays one
-        if not isinstance(unwrap(e), Exception):
-            raise unwrap(e) from None
-        mine, error = {}, reason(e) if world.size == 1 else f"rank {world.rank}: {reason(e)}"  # rank 0 reports it
-    written = D.gather_object((mine, error), world)
-    outcome = None
-    if world.main:
+    generators = (_rng_tensors(), _python_rng()) if rng else None  # as they are now, whenever the write runs
+    manifest = Manifest(
+        step=step,
+        files={},
+        versions=_versions(),
+        created_unix=time.time(),
+        config=config,
+        data_state=data_state,
+        metadata=metadata,
+        python_rng=generators[1] if generators else None,
+        layout=layout,
+        world_size=world.size,
+        order=order,
+        complex=complex_keys,
+    )
+    job = _Write(final, tmp, layout, manifest, generators, keep_last, world)
+    if not background:
+        job.run(state, None)
+        if job.outcome is not None:
+            raise CheckpointError(job.outcome)
+        return final
+    staged = _stage(layout, state, world)
+    group = D.side_group(world)  # made here, by every rank together, before any thread uses it
+    thread = threading.Thread(target=job.run, args=(staged, group), name=f"purestep-save-{step}", daemon=True)
+    thread.start()
+    return Pending(final, job, thread)
+
+
+class Pending:
+    """A checkpoint being written in the background (`save(..., background=True)`)."""
+
+    def __init__(self, final: Path, job: "_Write", thread: threading.Thread) -> None:
+        self.path, self._job, self._thread = final, job, thread
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> Path:
+        """Its path once sealed and published; `CheckpointError` (on every rank) if it failed."""
+        self._thread.join()
+        if self._job.outcome is not None:
+            raise CheckpointError(self._job.outcome)
+        return self.path
+
+
+class _Write:
+    """The layout's write into the temporary directory, then rank 0 seals and publishes;
+    `outcome` is None or the error every rank raises."""
+
+    def __init__(self, final, tmp, layout, manifest, generators, keep_last, world) -> None:
+        self.final, self.tmp, self.layout, self.manifest = final, tmp, layout, manifest
+        self.generators, self.keep_last, self.world = generators, keep_last, world
+        self.outcome: str | None = None
+
+    def run(self, state: dict[str, Tensor], group: Any) -> None:
+        final, tmp, world = self.final, self.tmp, self.world
         try:
-            errors = [err for _, err in written if err]
-            if errors:
-                raise CheckpointError(f"{final}: cannot write the checkpoint: {errors[0]}")
-            files = {name: entry for rank_files, _ in written for name, entry in rank_files.items()}
-            if rng:
-                files["rng.safetensors"] = write_tensors(tmp / "rng.safetensors", _rng_tensors())
-            manifest = Manifest(
-                step=step,
-                files=dict(sorted(files.items())),
-                versions=_versions(),
-                created_unix=time.time(),
-                config=config,
-                data_state=data_state,
-                metadata=metadata,
-                python_rng=_python_rng() if rng else None,
-                layout=layout,
-                world_size=world.size,
-                order=order,
-                complex=complex_keys,
-            )
-            write_bytes(tmp / MANIFEST, encode_manifest(manifest))
-            fsync_dir(tmp)
-            dirs.publish(tmp, final)
-            if keep_last is not None:
-                _prune(final, keep_last - 1, None)
-        except BaseException as e:
-            dirs.discard(tmp)
-            if not isinstance(e, Exception):
+            try:
+                mine, error = _LAYOUT[self.layout].write(tmp, state, self.manifest.order, world, group), None
+            except BaseException as e:  # DCP raises its failures as a BaseException; an interrupt inside it stays one
+                if not isinstance(unwrap(e), Exception):
+                    raise unwrap(e) from None
+                mine, error = (
+                    {},
+                    reason(e) if world.size == 1 else f"rank {world.rank}: {reason(e)}",
+                )  # rank 0 reports it
+            written = D.gather_object((mine, error), world, group)
+            outcome = None
+            if world.main:
+                try:
+                    errors = [err for _, err in written if err]
+                    if errors:
+                        raise CheckpointError(f"{final}: cannot write the checkpoint: {errors[0]}")
+                    files = {name: entry for rank_files, _ in written for name, entry in rank_files.items()}
+                    if self.generators is not None:
+                        files["rng.safetensors"] = write_tensors(tmp / "rng.safetensors", self.generators[0])
+                    manifest = msgspec.structs.replace(self.manifest, files=dict(sorted(files.items())))
+                    write_bytes(tmp / MANIFEST, encode_manifest(manifest))
+                    fsync_dir(tmp)
+                    dirs.publish(tmp, final)
+                    if self.keep_last is not None:
+                        _prune(final, self.keep_last - 1, None)
+                except BaseException as e:
+                    dirs.discard(tmp)
+                    if not isinstance(e, Exception):
+                        raise
+                    outcome = (
+                        str(e)
+                        if isinstance(e, CheckpointError)
+                        else f"{final}: cannot write the checkpoint: {reason(e)}"
+                    )
+            self.outcome = D.broadcast_object(outcome, world, group)
+        except BaseException as e:  # in a thread nobody else would see it: the waiter raises it
+            if group is None:
                 raise
-            outcome = str(e) if isinstance(e, CheckpointError) else f"{final}: cannot write the checkpoint: {reason(e)}"
-    outcome = D.broadcast_object(outcome, world)
-    if outcome is not None:
-        raise CheckpointError(outcome)
-    return final
+            self.outcome = f"{final}: cannot write the checkpoint: {reason(e)}"
+
+
+def _stage(layout: str, state: dict[str, Tensor], world: D.World) -> dict[str, Tensor]:
+    """What a background write reads: a copy in host memory of this rank's part (the files
+    layout: the gathered tensors, on rank 0; DTensors keep their placements, their local
+    blocks copied), taken now, so that training may go on changing the originals."""
+    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+    if layout == "files":
+        state = D.full_tree(state)  # a collective over the default group, here on the loop's thread
+        if not world.main:
+            return {}
+    pin = torch.cuda.is_available() and any(t.device.type == "cuda" for t in state.values())
+    host = _create_cpu_state_dict(state, pin_memory=pin)
+    _copy_state_dict(state, host)
+    return host
 
 
 _SAVABLE = frozenset(DTYPES.values())

@@ -122,6 +122,21 @@ def checkpoint_drill(out: Path) -> None:
             seen[f"{run.name}_shape_error"] = None
         except CheckpointError as e:
             seen[f"{run.name}_shape_error"] = str(e)
+    # In the background: the save returns once the state is copied; training goes on changing
+    # it; the checkpoint holds what it was at the save (both layouts).
+    for distributed, run in ((True, out / "bg-dcp"), (False, out / "bg-files")):
+        manager = CheckpointManager(run, keep_last=2, world=world, distributed=distributed, background=True)
+        before = D.full_tree(params)
+        manager.save(4, params=params, opt_state=state)
+        with torch.no_grad():
+            for p in params.values():
+                p.add_(100.0)  # the loop's next steps, while the write runs
+        manager.wait()
+        whole = load_checkpoint(run / "checkpoints" / "step_00000004").params
+        seen[f"{run.name}_copied_at_save"] = all(torch.equal(whole[k], before[k]) for k in params)
+        with torch.no_grad():
+            for p in params.values():
+                p.sub_(100.0)
     # A save that fails on rank 1 only fails on every rank, and publishes nothing.
     manager = CheckpointManager(out / "dcp", keep_last=5, world=world, distributed=True)
     if world.rank == 1:
@@ -138,6 +153,16 @@ def checkpoint_drill(out: Path) -> None:
         seen["failed_save"] = str(e)
     D.barrier(world)
     seen["after_failed_save"] = sorted(p.name for p in (out / "dcp" / "checkpoints").iterdir())
+    # The same in the background: the save returns, the failure comes at the wait, on every rank.
+    manager = CheckpointManager(out / "dcp", keep_last=5, world=world, distributed=True, background=True)
+    manager.save(5, params=params, opt_state=state)
+    try:
+        manager.wait()
+        seen["failed_background_save"] = None
+    except CheckpointError as e:
+        seen["failed_background_save"] = str(e)
+    D.barrier(world)
+    seen["after_failed_background_save"] = sorted(p.name for p in (out / "dcp" / "checkpoints").iterdir())
     seen.update(adapter_dcp(world))
     (out / f"seen-{world.rank}.json").write_text(json.dumps(seen))
     D.teardown(world)

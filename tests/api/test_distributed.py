@@ -161,7 +161,7 @@ def test_single_process_checkpoint_resumes_under_fsdp2_on_two_ranks(tmp_path, sa
 def test_checkpoint_manager_on_two_fsdp2_ranks_falls_back_refuses_shapes_and_fails_saves_together(tmp_path):
     # Both layouts, FSDP2-sharded params and AdamW state: saved, loaded whole and resharded, a damaged
     # newest checkpoint skipped by both ranks together, a shape mismatch refused on both, and a save
-    # that fails on rank 1 only fails on both and publishes nothing.
+    # that fails on rank 1 only fails on both and publishes nothing; the same saved in the background.
     torchrun("checkpoint-drill", str(tmp_path))
     seen = [json.loads((tmp_path / f"seen-{rank}.json").read_text()) for rank in (0, 1)]
     assert seen[0] | {"rank": 1} == seen[1]  # both ranks saw the same
@@ -172,6 +172,12 @@ def test_checkpoint_manager_on_two_fsdp2_ranks_falls_back_refuses_shapes_and_fai
         assert "params '1.weight' is [2, 4] torch.float32 in the checkpoint, but [3, 4]" in seen[0][f"{layout}_shape_error"]
     assert "step_00000003: cannot write the checkpoint: rank 1: No space left on device" in seen[0]["failed_save"]
     assert seen[0]["after_failed_save"] == ["step_00000001", "step_00000002"]
+    # In the background (issue 28): what was there at the save, whatever the loop did after;
+    # a rank's failure raised at the wait on both, nothing published.
+    assert seen[0]["bg-dcp_copied_at_save"] and seen[0]["bg-files_copied_at_save"]
+    failed = seen[0]["failed_background_save"]
+    assert "step_00000005: cannot write the checkpoint: rank 1: No space left on device" in failed
+    assert seen[0]["after_failed_background_save"] == ["step_00000001", "step_00000002"]
     # The drop-in Optimizer on FSDP2 params: torch.distributed.checkpoint's state_dict API takes no step.
     assert seen[0]["adapter_state_shown"] and seen[0]["adapter_dcp_no_step"] and seen[0]["adapter_dcp_state_equal"]
 

@@ -255,6 +255,7 @@ class CheckpointManager:
         self.run_dir, self.folder = Path(run_dir), Path(run_dir) / "checkpoints"
         self.keep_last, self.distributed, self.background = keep_last, distributed, bool(background)
         self._pending: store.Pending | None = None
+        self._staging: dict = {}  # background saves: the host copy of the state, made once
         self.world = world if world is not None else D.current_world()
         self._good: dict[Path, str] = {}  # checkpoints known to verify: path -> manifest checksum
         self._lock, self._holding = RunLock(self.run_dir), False
@@ -333,6 +334,7 @@ class CheckpointManager:
             keep_last=self.keep_last,
             is_good=self._is_good,
             background=self.background,
+            staging=self._staging,
         )
         if isinstance(path, store.Pending):
             self._pending = path

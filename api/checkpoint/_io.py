@@ -93,9 +93,11 @@ def save(
     keep_last: int | None,
     is_good: Callable[[Path], bool],
     background: bool = False,
+    staging: dict | None = None,
 ) -> Path | "Pending":
     """The one save: rank 0 prepares a temporary directory, the layout writes into it, rank 0
-    seals and publishes. `background`: a `Pending` save, returned once the state is copied."""
+    seals and publishes. `background`: a `Pending` save, returned once the state is copied
+    (into `staging`'s host buffers, kept there for the next save of the same trees)."""
     check_int("step", step)
     if keep_last is not None:
         check_int("keep_last", keep_last, 1)
@@ -139,7 +141,7 @@ def save(
         if job.outcome is not None:
             raise CheckpointError(job.outcome)
         return final
-    staged = _stage(layout, state, world)
+    staged = _stage(layout, state, world, staging if staging is not None else {})
     group = D.side_group(world)  # made here, by every rank together, before any thread uses it
     thread = threading.Thread(target=job.run, args=(staged, group), name=f"purestep-save-{step}", daemon=True)
     thread.start()
@@ -217,20 +219,25 @@ class _Write:
             self.outcome = f"{final}: cannot write the checkpoint: {reason(e)}"
 
 
-def _stage(layout: str, state: dict[str, Tensor], world: D.World) -> dict[str, Tensor]:
+def _stage(layout: str, state: dict[str, Tensor], world: D.World, cache: dict) -> dict[str, Tensor]:
     """What a background write reads: a copy in host memory of this rank's part (the files
     layout: the gathered tensors, on rank 0; DTensors keep their placements, their local
-    blocks copied), taken now, so that training may go on changing the originals."""
+    blocks copied), taken now, so that training may go on changing the originals. The host
+    buffers are made once per layout of the trees and kept in `cache` (pinned when the
+    state is on CUDA): a later save only copies, at memory speed."""
     from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
     if layout == "files":
         state = D.full_tree(state)  # a collective over the default group, here on the loop's thread
         if not world.main:
             return {}
-    pin = torch.cuda.is_available() and any(t.device.type == "cuda" for t in state.values())
-    host = _create_cpu_state_dict(state, pin_memory=pin)
-    _copy_state_dict(state, host)
-    return host
+    key = (layout, tuple((k, type(t), t.shape, t.dtype) for k, t in state.items()))
+    if cache.get("key") != key:
+        pin = torch.cuda.is_available() and any(t.device.type == "cuda" for t in state.values())
+        cache.clear()
+        cache.update(key=key, host=_create_cpu_state_dict(state, pin_memory=pin))
+    _copy_state_dict(state, cache["host"])
+    return cache["host"]
 
 
 _SAVABLE = frozenset(DTYPES.values())

@@ -67,8 +67,9 @@ class Optimizer(torch.optim.Optimizer):
         buffers and its step count stay as they were), a param whose `state` entry is popped
         or emptied starts over from the transform's `init` (its count from 0), an assigned or
         loaded `step` is that param's alone. The group then runs as cohorts of params sharing
-        one history, each its own update (compiled groups: one compile per cohort, none per
-        step after). A transform whose state holds more than per-param buffers, step counts
+        one history, each its own update (a compiled group compiles each cohort when it first
+        runs, never per step, and at most 8 in all: params that keep missing grads at random,
+        as unrouted experts, run eagerly past that). A transform whose state holds more than per-param buffers, step counts
         and schedules (a statistic over the group, as Prodigy's estimate) keeps one count per
         group: a skipped param is held as it was while the group's count advances. A param's shape, dtype and
         device must stay as they were at construction (build the optimizer after

@@ -15,6 +15,10 @@ from . import _layout as L
 from ._torch_state import TorchState
 
 MISSING = object()
+# A compiled group compiles at most this many cohorts over its life (each when it first
+# runs); later ones run eagerly (equal to rounding): a group whose params keep missing grads
+# at random (unrouted experts) would otherwise compile at every split.
+COMPILED_COHORTS = 8
 
 
 class ParamGroup(dict):
@@ -41,7 +45,7 @@ class Cohort:
 
     members: list[int]  # positions of its params in the group
     state: Any
-    update: Callable
+    update: Callable | None  # made when it first runs (see COMPILED_COHORTS)
     tree: dict[str, Tensor]  # its params by name
     count_at: list[int]  # where its step counts sit among its state's leaves
     clock_at: list[int]  # where its schedules' steps sit
@@ -78,6 +82,7 @@ class Group:
         self.differentiable = differentiable
         # Differentiable: the pure update (autograd records it), its result copied into the params.
         self.update = ps.make_update(transform, compile=compiled, donate=not differentiable)
+        self.compiles = int(compiled)  # compiled updates made (the first, and cohorts': COMPILED_COHORTS)
         # The params themselves, not detached aliases: a compiled update re-points the
         # tensors it is given into its flat buffers, and the model must follow.
         self.tree = dict(zip(names, params))
@@ -163,8 +168,7 @@ class Group:
                 values[i].copy_(theirs[k]) if step is None else values[i].fill_(step)
             for i, k in zip(clock_at, source.clock_at):
                 values[i].copy_(theirs[k])
-        update = ps.make_update(self.transform, compile=self.compiled, donate=not self.differentiable)
-        return Cohort(members, state, update, tree, count_at, clock_at)
+        return Cohort(members, state, None, tree, count_at, clock_at)
 
     def regroup(self, key: Callable[[int], Any], step: Callable[[Any], float | None]) -> None:
         """Part each cohort by `key(param position)`; a part keyed k takes the step `step(k)`
@@ -227,6 +231,10 @@ class Group:
             if all(missing[j] for j in c.members):
                 idle.append(c)
                 continue
+            if c.update is None:  # its first run: compiled while the group has compiles left
+                compiled = self.compiled and self.compiles < COMPILED_COHORTS
+                self.compiles += compiled
+                c.update = ps.make_update(self.transform, compile=compiled, donate=not self.differentiable)
             names = [self.names[j] for j in c.members]
             # Differentiable: the update reads clones (its graph may save what it reads; the params change next).
             tree = {n: params[j].clone() for n, j in zip(names, c.members)} if self.differentiable else c.tree

@@ -213,3 +213,35 @@ def test_a_group_with_a_statistic_over_its_params_keeps_one_count():
     assert len(opt._groups[0].cohorts) == 1
     torch.testing.assert_close(a[0].weight.detach(), before, rtol=0, atol=0)
     assert int(ps.step_count(opt.opt_states[0])) == 4
+
+
+def test_params_missing_grads_at_random_compile_a_bounded_number_of_cohorts(monkeypatch):
+    """Unrouted experts: each step a random subset has no grad, so every param's count goes
+    its own way (as torch's). A compiled group compiles at most `COMPILED_COHORTS` cohorts
+    (2 here, to keep the test short); the rest run eagerly: equal to torch throughout."""
+    import torch._dynamo.utils as dynamo_utils
+
+    import purestep.api.optimizer._group as group
+
+    monkeypatch.setattr(group, "COMPILED_COHORTS", 2)
+    COMPILED_COHORTS = 2
+
+    g = torch.Generator().manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(4, 3, generator=g, dtype=torch.float64)) for _ in range(6)]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = Optimizer(ours, ps.adamw, lr=1e-2, compile=True)
+    ref = torch.optim.AdamW(theirs, lr=1e-2)
+    dynamo_utils.counters.clear()
+    for t in range(10):
+        routed = torch.rand(6, generator=g) < 0.6
+        grads = [torch.randn(4, 3, generator=g, dtype=torch.float64) for _ in range(6)]
+        for params in (ours, theirs):
+            for p, gr, on in zip(params, grads, routed):
+                p.grad = gr.clone() if on else None
+        opt.step()
+        ref.step()
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=lambda m: f"step {t}: {m}")
+    assert len(opt._groups[0].cohorts) > COMPILED_COHORTS  # the histories parted further
+    assert dynamo_utils.counters["stats"]["unique_graphs"] <= COMPILED_COHORTS  # the whole group never ran
+    assert _steps(opt) == _steps(ref)

@@ -109,3 +109,56 @@ def test_qk_clip_passes_updates_through_without_max_logits_and_refuses_bad_input
         ps.qk_clip(10.0, {"attn": ps.QKHeads(q="attn.q", k="attn.k", heads=3)}).init(params)
     with pytest.raises(ValueError, match="threshold"):
         ps.qk_clip(0.0, {"attn": ps.QKHeads(q="attn.q", k="attn.k", heads=2)})
+
+
+def test_muon_with_qk_clip_matches_pytorch_optimizers_muonclip():
+    """`ps.chain(ps.muon(...), ps.qk_clip(...))` against pytorch_optimizer's `MuonClip` (Kimi
+    K2's MuonClip, α = 0.5) over steps whose max logits cross τ, where their conventions meet:
+    separate q and k projections with each head's rows contiguous, plain momentum (MuonClip
+    runs Muon without Nesterov), Moonlight's lr adjustment (`adjust_lr="match_rms_adamw"`),
+    decoupled decay, and Newton-Schulz in float32 on both sides (theirs runs it in bfloat16,
+    a dtype its optimizer does not expose: patched here; ours takes `ns_dtype`)."""
+    pytest.importorskip("pytorch_optimizer")
+    import functools
+
+    import pytorch_optimizer.optimizer.muon.base as po_base
+    from pytorch_optimizer.optimizer.muon.muon_clip import MuonClip
+
+    heads, dim, tau, lr, wd = 4, 16, 10.0, 0.02, 0.1
+    g = torch.Generator().manual_seed(0)
+    start = {"q": torch.randn(dim, dim, generator=g), "k": torch.randn(dim, dim, generator=g)}
+    ours = {k: v.clone() for k, v in start.items()}
+    theirs = {k: torch.nn.Parameter(v.clone()) for k, v in start.items()}
+    opt = ps.chain(
+        ps.muon(lr, momentum=0.95, nesterov=False, adjust_lr="match_rms_adamw", weight_decay=wd, ns_dtype=torch.float32),
+        ps.qk_clip(tau, {"attn": ps.QKHeads(q="q", k="k", heads=heads)}),
+    )
+    state = opt.init(ours)
+    ref = MuonClip(
+        [
+            {"params": [theirs["q"]], "use_muon": True, "qk_clip": "query", "attention_name": "attn"},
+            {"params": [theirs["k"]], "use_muon": True, "qk_clip": "key", "attention_name": "attn"},
+        ],
+        lr=lr,
+        momentum=0.95,
+        weight_decay=wd,
+        qk_clip_threshold=tau,
+        use_adjusted_lr=True,
+        foreach=False,
+    )
+    ns32 = functools.partial(po_base.zero_power_via_newton_schulz_5, dtype=torch.float32)
+    clipped = 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(po_base, "zero_power_via_newton_schulz_5", ns32)
+        for _ in range(8):
+            grads = {k: torch.randn(dim, dim, generator=g) for k in start}
+            logits = torch.rand(heads, generator=g) * 20.0  # about half the heads above τ
+            clipped += int((logits > tau).sum())
+            updates, state = opt.update(grads, state, ours, max_logits={"attn": logits})
+            ours = ps.apply_updates(ours, updates)
+            for k, p in theirs.items():
+                p.grad = grads[k].clone()
+            ref.step(attention_max_logits={"attn": logits})
+            for k in start:
+                torch.testing.assert_close(ours[k], theirs[k].detach(), rtol=2e-5, atol=2e-6)
+    assert clipped > 8

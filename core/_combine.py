@@ -332,8 +332,9 @@ def apply_if_finite(inner: Transform, max_consecutive: int | None = None) -> Tra
     from their global norm, the value a clip reads too (compiled: one reduction for both;
     eagerly: computed once): the step is applied when Σ g² is finite and at most m, the
     largest value of the state's narrowest float dtype, so neither a square nor a norm the
-    state keeps can overflow (1e30 in float32 is skipped). Over any other inner transform,
-    the grads and every float of the new inner state are checked (one more read of the new
+    state keeps can overflow (1e30 in float32 is skipped). Over any other inner transform
+    (or state in float16, whose range bounds each element, not the norm), the grads and
+    every float of the new inner state are checked (one more read of the new
     state per step). Eagerly on the CPU over a bounded transform, the inner transform runs
     in place (its own kernels) or not at all, the check read first (the CPU has it at hand).
 
@@ -362,7 +363,7 @@ def apply_if_finite(inner: Transform, max_consecutive: int | None = None) -> Tra
         updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
         floats = [x for x in pytree.tree_leaves(inner_state) if isinstance(x, Tensor) and x.is_floating_point()]
         # Over FSDP2 shards: one count on every rank, summed in one collective.
-        if lean:
+        if lean and not any(x.dtype == torch.float16 for x in floats):
             finite = _fits(grads, floats)
         else:
             finite = lay.all_finite(grads, pytree.tree_leaves(grads) + floats)
@@ -383,7 +384,8 @@ def apply_if_finite(inner: Transform, max_consecutive: int | None = None) -> Tra
         # or not at all. Reading the flag there waits on nothing: the CPU computed it already.
         leaves = pytree.tree_leaves(grads)
         floats = [x for x in pytree.tree_leaves(state.inner_state) if isinstance(x, Tensor) and x.is_floating_point()]
-        if not lean or any(x.device.type != "cpu" for x in leaves + floats):  # decided on the device
+        narrow = any(x.dtype == torch.float16 for x in floats)  # the full check (see `_fits`)
+        if not lean or narrow or any(x.device.type != "cpu" for x in leaves + floats):  # decided on the device
             updates, new_state = update(grads, state, params)
             ls.scale_add_(
                 tr.check_match(params, updates, "params", "updates", dtype=False), a, b, tr.tree_leaves(updates)
@@ -392,7 +394,13 @@ def apply_if_finite(inner: Transform, max_consecutive: int | None = None) -> Tra
         finite = _fits(grads, floats).to(state.last_finite.device)
         notfinite = torch.where(finite, torch.zeros_like(state.notfinite_count), state.notfinite_count + 1)
         apply = bool(finite) or (max_consecutive is not None and int(notfinite) > max_consecutive)
-        inner_state = apply_in_place(inner, grads, state.inner_state, params, a, b) if apply else state.inner_state
+        if apply:
+            inner_state = apply_in_place(inner, grads, state.inner_state, params, a, b)
+        else:  # a zero update: p <- a·p (the decay a chain folds in after it still applies)
+            inner_state = state.inner_state
+            if not ls.is_one(a):
+                for x in tr.tree_leaves(params):
+                    x.mul_(a)
         total = state.total_notfinite + (~finite).to(torch.int64)
         return ApplyIfFiniteState(notfinite, finite, total, inner_state)
 
@@ -406,7 +414,8 @@ def _fits(grads: PyTree, state_floats: list[Tensor]) -> Tensor:
     """A 0-d bool: every grad finite and Σ g² within the largest value of the state's
     narrowest float dtype (so no square, nor their sum, overflows what a bounded transform
     keeps), read from the grads' global norm: the value a clip reads too (compiled, one
-    reduction; eagerly, computed once). Without float state, every grad finite."""
+    reduction; eagerly, computed once). Without float state, every grad finite. (Float16
+    state takes the full check instead: √65504 would bound the norm, not each element.)"""
     leaves = pytree.tree_leaves(grads)
     if not state_floats:
         return lay.all_finite(grads, leaves)

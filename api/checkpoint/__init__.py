@@ -292,10 +292,14 @@ class CheckpointManager:
     def wait(self) -> Path | None:
         """Wait for the save writing in the background, if any (every rank calls): its path on
         rank 0 (None elsewhere, or when none was pending); `CheckpointError` if it failed."""
-        pending, self._pending = self._pending, None
+        pending = self._pending
         if pending is None:
             return None
-        path = pending.wait()
+        try:
+            path = pending.wait()
+        finally:  # interrupted (Ctrl-C) while the write runs: still pending, waited for next time
+            if pending.done:
+                self._pending = None
         if self.world.main:
             self._good[path] = read_manifest(path).checksum  # hashed as it was written
             self._good = {p: c for p, c in self._good.items() if p.is_dir()}
@@ -359,8 +363,10 @@ class CheckpointManager:
         """Load `path` into trees laid out like the `*_like` trees (plain tensors or DTensors of any world size).
 
         Every file is verified first. A tensor missing, extra, or of another shape or dtype
-        raises `CheckpointError` naming it and both shapes: nothing is ever broadcast.
+        raises `CheckpointError` naming it and both shapes: nothing is ever broadcast. A save
+        writing in the background is waited for first.
         """
+        self.wait()
         root = Path(path)
         c = store.load(
             root, (params_like, opt_state_like, ema_like), ("params_like", "opt_state_like", "ema_like"), self.world

@@ -137,13 +137,13 @@ def save(
     )
     job = _Write(final, tmp, layout, manifest, generators, keep_last, world)
     if not background:
-        job.run(state, None)
+        job.run(state, None, background=False)
         if job.outcome is not None:
             raise CheckpointError(job.outcome)
         return final
     staged = _stage(layout, state, world, staging if staging is not None else {})
     group = D.side_group(world)  # made here, by every rank together, before any thread uses it
-    thread = threading.Thread(target=job.run, args=(staged, group), name=f"purestep-save-{step}", daemon=True)
+    thread = threading.Thread(target=job.run, args=(staged, group, True), name=f"purestep-save-{step}", daemon=True)
     thread.start()
     return Pending(final, job, thread)
 
@@ -156,10 +156,12 @@ class Pending:
 
     @property
     def done(self) -> bool:
-        return not self._thread.is_alive()
+        # The job's own flag: a join interrupted by Ctrl-C can leave `is_alive()` False early.
+        return self._job.finished.is_set()
 
     def wait(self) -> Path:
         """Its path once sealed and published; `CheckpointError` (on every rank) if it failed."""
+        self._job.finished.wait()
         self._thread.join()
         if self._job.outcome is not None:
             raise CheckpointError(self._job.outcome)
@@ -174,8 +176,15 @@ class _Write:
         self.final, self.tmp, self.layout, self.manifest = final, tmp, layout, manifest
         self.generators, self.keep_last, self.world = generators, keep_last, world
         self.outcome: str | None = None
+        self.finished = threading.Event()
 
-    def run(self, state: dict[str, Tensor], group: Any) -> None:
+    def run(self, state: dict[str, Tensor], group: Any, background: bool) -> None:
+        try:
+            self._run(state, group, background)
+        finally:
+            self.finished.set()
+
+    def _run(self, state: dict[str, Tensor], group: Any, background: bool) -> None:
         final, tmp, world = self.final, self.tmp, self.world
         try:
             try:
@@ -214,7 +223,7 @@ class _Write:
                     )
             self.outcome = D.broadcast_object(outcome, world, group)
         except BaseException as e:  # in a thread nobody else would see it: the waiter raises it
-            if group is None:
+            if not background:
                 raise
             self.outcome = f"{final}: cannot write the checkpoint: {reason(e)}"
 
@@ -231,11 +240,18 @@ def _stage(layout: str, state: dict[str, Tensor], world: D.World, cache: dict) -
         state = D.full_tree(state)  # a collective over the default group, here on the loop's thread
         if not world.main:
             return {}
-    key = (layout, tuple((k, type(t), t.shape, t.dtype) for k, t in state.items()))
+    key = (
+        layout,
+        tuple((k, type(t), t.shape, t.dtype, t.device, tuple(getattr(t, "placements", ()))) for k, t in state.items()),
+    )
     if cache.get("key") != key:
         pin = torch.cuda.is_available() and any(t.device.type == "cuda" for t in state.values())
+        host = _create_cpu_state_dict(state, pin_memory=pin)
+        for k, t in host.items():  # torch's helper hands some tensors back as they are (0-d DTensors)
+            if t is state[k]:
+                host[k] = t.detach().clone()
         cache.clear()
-        cache.update(key=key, host=_create_cpu_state_dict(state, pin_memory=pin))
+        cache.update(key=key, host=host)
     _copy_state_dict(state, cache["host"])
     return cache["host"]
 

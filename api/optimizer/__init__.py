@@ -13,7 +13,7 @@ import purestep.core as ps
 from . import _layout as L
 from . import _state_dict as SD
 from ._group import Group, ParamGroup, real, refuse_grads
-from ._torch_state import Entry, TorchState
+from ._torch_state import TorchState
 
 # A group with at least this many elements compiles its update by default (see `Optimizer`).
 AUTO_COMPILE_NUMEL = 1 << 22
@@ -167,10 +167,11 @@ class Optimizer(torch.optim.Optimizer):
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "state" and "state" in self.__dict__ and not isinstance(value, TorchState):
             self.state.fresh()  # what it showed, to compare with at the next step
-            # code replaced the state dict: taken in at the next step
+            # code replaced the state dict: taken in at the next step (its entries are code's own dicts)
             replaced = TorchState(self._expose_all, self._expose_one)
             for key, entry in value.items():
-                dict.__setitem__(replaced, key, Entry(replaced, key, entry) if isinstance(entry, dict) else entry)
+                dict.__setitem__(replaced, key, entry)
+                replaced._held(key, entry)
             replaced.edited, replaced.stale, value = True, False, replaced
         super().__setattr__(name, value)
 
@@ -310,7 +311,7 @@ class Optimizer(torch.optim.Optimizer):
         return loss
 
     def _step(self) -> None:
-        if self.state.edited or self.state.touched:
+        if self.state.edited or self.state.touched or self.state.untracked:
             self._take_edits()
         for index, (group, g) in enumerate(zip(self.param_groups, self._groups)):
             params = cast(list[Tensor], real(group["params"]))
@@ -376,7 +377,10 @@ class Optimizer(torch.optim.Optimizer):
     def _expose_one(self, param: Tensor, steps_only: bool = False) -> bool:
         """`state[param]` alone shown; False when `param` is none of this optimizer's params."""
         at = self._where.get(id(param))
-        if at is None or self.param_groups[at[0]]["params"][at[1]] is not param:  # not found where it was put
+        groups = self.param_groups
+        if at is None or not (  # not found where it was put (code changed the groups)
+            at[0] < len(groups) and at[1] < len(groups[at[0]]["params"]) and groups[at[0]]["params"][at[1]] is param
+        ):
             at = next(
                 (
                     (i, j)
@@ -397,7 +401,8 @@ class Optimizer(torch.optim.Optimizer):
     def _take_edits(self) -> None:
         """What code changed in `state` since the last step, taken in (see `Group.take_edits`):
         every param's entry after a read of the whole state, else the entries read one by one."""
-        whole, touched = self.state.edited, self.state.touched
+        # Entries that are code's own dicts are checked at every step: a write to one tells nothing.
+        whole, touched = self.state.edited, {**self.state.touched, **self.state.untracked}
         self.state.edited, self.state.touched = False, {}
         for index, (group, g) in enumerate(zip(self.param_groups, self._groups)):
             if g.lazy:

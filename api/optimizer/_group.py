@@ -125,9 +125,34 @@ class Group:
         self.count = self.counts[0] if self.counts else None  # the one shown as torch's `step`
         # Per-param step counts, as torch.optim keeps them, where the state is per-param buffers,
         # counts, clocks and hyperparameters alone (a statistic over the group, as Prodigy's
-        # estimate, would be one per cohort: such a group keeps one count, see `hold`).
-        self.cohortable = bool(roles) and bool(self.counts) and all(r.kind != "other" for r in roles)
+        # estimate or a clip's norm, would be one per cohort) and the transform takes a part of
+        # the group (a mask or labels given as a tree of the whole group's structure do not).
+        # Otherwise, and for `differentiable` groups (whose updates make new state tensors),
+        # the group keeps one count (see `hold`).
+        self.cohortable = (
+            bool(roles)
+            and bool(self.counts)
+            and all(r.kind != "other" for r in roles)
+            and not self.differentiable
+            and self._takes_parts()
+        )
         self.reset_cohorts()
+
+    def _takes_parts(self) -> bool:
+        """Whether the transform's `init` takes a part of the group's params (one param, as a
+        meta tensor: nothing allocated), asked once."""
+        if "_parts" not in self.__dict__:
+            self._parts = True
+            if len(self.names) > 1:
+                first = self.names[0]
+                try:
+                    with torch.no_grad():
+                        self.transform.init({first: torch.empty_like(self.tree[first], device="meta")})
+                except (ValueError, TypeError, KeyError):  # a tree of the whole group's structure
+                    self._parts = False
+                except (RuntimeError, NotImplementedError):  # math the meta device lacks: not structure
+                    pass
+        return self._parts
 
     # ------------------------------------------------------------------ cohorts
 
@@ -208,13 +233,15 @@ class Group:
         return [read[id(c)].clone() for c in self.owner]
 
     def sync(self) -> None:
-        """The group's state shows the clocks its cohorts keep (a state_dict's shared state)."""
-        if len(self.cohorts) > 1 and self.clocks:
+        """The group's state shows the clocks its cohorts keep and, for its step counts, the
+        largest of theirs (each param's own count is in `state_dict()` and `state`)."""
+        if len(self.cohorts) > 1:
             first, mine = self.cohorts[0], self.leaves()
-            theirs = ps.tree_leaves(first.state)
             with torch.no_grad():
                 for i, k in zip(self.clocks, first.clock_at):
-                    mine[i].copy_(theirs[k])
+                    mine[i].copy_(first.leaves()[k])
+                for n, i in enumerate(self.counts):
+                    mine[i].copy_(torch.stack([c.leaves()[c.count_at[n]] for c in self.cohorts]).max())
 
     def run(self, params: list[Tensor], grads: list[Tensor | None], amp: dict[str, Tensor]) -> None:
         """One update of the params with grads (a param without one is skipped, as torch.optim
@@ -356,6 +383,8 @@ class Group:
             value = entry[key]
             if key == "step":
                 steps[self.names[j]] = float(value)
+                self.shown[j, key] = value  # taken: not again at the next step
+                self.live.discard(j)  # its entry shows code's tensor until shown anew
                 continue
             new = torch.as_tensor(value)
             new = torch.view_as_real(new) if new.is_complex() else new

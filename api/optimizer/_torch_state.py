@@ -54,14 +54,20 @@ class Entry(dict):
         return (dict, (dict(self),))
 
 
+def _plain(items: list) -> collections.defaultdict:
+    return collections.defaultdict(dict, items)
+
+
 class TorchState(collections.defaultdict):
     """torch.optim's `state` (param -> dict): the params' purestep buffers are filled in when
     it is read, so a step only marks it stale and costs nothing here. Reading costs nothing
-    at the next step either: every entry is an `Entry`, which tells the state when code
-    writes to it, and the next step takes in what code changed (`Group.take_edits`) for the
-    params written to alone (`touched`), or for every param after a write that may reach
-    them all (`edited`: `clear()`, `update()`). Reading one param's entry (`state[p]`,
-    `state.get(p)`, `p in state`) shows that entry alone."""
+    at the next step either: an entry this state makes is an `Entry`, which tells the state
+    when code writes to it, and the next step takes in what code changed (`Group.take_edits`)
+    for the params written to alone (`touched`), or for every param after a write that may
+    reach them all (`edited`: `clear()`). A dict code puts in (`state[p] = d`, a new `state`)
+    stays that very dict, as in torch; its param is checked at every step (`untracked`).
+    Reading one param's entry (`state[p]`, `state.get(p)`, `p in state`) shows that entry
+    alone. Copied or pickled, it is a plain `defaultdict(dict)` of plain dicts."""
 
     def __init__(
         self,
@@ -74,17 +80,32 @@ class TorchState(collections.defaultdict):
         self.steps_only = False  # stale since a step alone: the entries' buffers are the live ones still
         self.shown_now: set[int] = set()  # ids of the params shown since the state went stale
         self.touched: dict[int, Any] = {}  # keys written to since the last step
+        self.untracked: dict[int, Any] = {}  # keys whose entry is a dict code put in (not an Entry)
 
-    def entry(self, key: Any) -> "Entry":
-        """`key`'s entry, made (empty) when it has none; a plain dict put there becomes an `Entry`."""
+    def entry(self, key: Any) -> dict:
+        """`key`'s entry, made (an empty `Entry`) when it has none."""
         got = dict.get(self, key)
-        if not isinstance(got, Entry):
-            got = Entry(self, key, got or {})
+        if not isinstance(got, dict):
+            got = Entry(self, key)
             dict.__setitem__(self, key, got)
         return got
 
     def wrote(self, key: Any) -> None:
         self.touched[id(key)] = key
+
+    def _held(self, key: Any, value: Any) -> None:
+        """Note whether `key`'s new entry reports writes (an `Entry`) or is code's own dict."""
+        if isinstance(value, dict) and not isinstance(value, Entry):
+            self.untracked[id(key)] = key
+        else:
+            self.untracked.pop(id(key), None)
+
+    def __reduce__(self) -> Any:
+        self.fresh()
+        return (_plain, ([(k, dict(v) if isinstance(v, dict) else v) for k, v in dict.items(self)],))
+
+    def __copy__(self) -> collections.defaultdict:  # type: ignore[override]  # a plain one, as __reduce__ gives
+        return _plain([(k, v) for k, v in dict.items(self.fresh())])
 
     def mark_stale(self, steps_only: bool = False) -> None:
         """The buffers moved on (a step, a load): every entry is shown anew when next read
@@ -113,22 +134,23 @@ class TorchState(collections.defaultdict):
 
     # Writes show the buffers first, so that the next step sees what was there before them.
     def __setitem__(self, key: Any, value: Any) -> None:
-        self.fresh()
-        if isinstance(value, dict) and not isinstance(value, Entry):
-            value = Entry(self, key, value)
-        super().__setitem__(key, value)
+        super(TorchState, self.fresh()).__setitem__(key, value)
+        self._held(key, value)
         self.wrote(key)
 
     def __delitem__(self, key: Any) -> None:
         super(TorchState, self.fresh()).__delitem__(key)
+        self.untracked.pop(id(key), None)
         self.wrote(key)
 
     def pop(self, key: Any, *default: Any) -> Any:
         self.wrote(key)
+        self.untracked.pop(id(key), None)
         return super(TorchState, self.fresh()).pop(key, *default)
 
     def popitem(self) -> Any:
         key, value = super(TorchState, self.fresh()).popitem()
+        self.untracked.pop(id(key), None)
         self.wrote(key)
         return key, value
 
@@ -143,6 +165,7 @@ class TorchState(collections.defaultdict):
 
     def clear(self) -> None:
         super(TorchState, self.fresh()).clear()
+        self.untracked.clear()
         self.edited = True
 
     def __getitem__(self, key: Any) -> Any:

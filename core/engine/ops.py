@@ -93,8 +93,10 @@ def global_norm(tree: Any) -> Tensor:
     same value: one pass, one collective): eagerly while its buffers are unchanged, in a
     compiled step for the tree object the step made (its values never change there)."""
     xs = pytree.tree_leaves(tree)
-    memo = _flat.is_packed(tree)
-    versions = None if torch.compiler.is_compiling() else tuple(x._version for x in xs)
+    compiling = torch.compiler.is_compiling()
+    # (inference tensors keep no version counter: never memoized eagerly)
+    memo = _flat.is_packed(tree) and (compiling or not any(x.is_inference() for x in xs))
+    versions = None if compiling or not memo else tuple(x._version for x in xs)
     if memo and getattr(tree, "norm_memo", (0, None))[0] == versions:
         return tree.norm_memo[1]
     shard = _shard(tree)

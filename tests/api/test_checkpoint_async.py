@@ -130,3 +130,33 @@ def test_the_trainer_with_async_checkpoint_writes_the_same_checkpoints(tmp_path)
         assert all(torch.equal(a.params[k], b.params[k]) for k in a.params), step
     assert not any(p.name.startswith(".") for p in (tmp_path / "bg" / "checkpoints").iterdir())
     assert all(torch.equal(x, y) for x, y in zip(sync.params().values(), bg.params().values()))
+
+
+def test_an_interrupted_wait_keeps_the_save_pending_and_load_waits(tmp_path, monkeypatch):
+    """Ctrl-C while `wait()` joins the write: the save stays pending, so the next save waits
+    for it (its temporary directory and host buffers are not reused under it); `load` waits too."""
+    import threading
+
+    params, state = _trees()
+    manager = CheckpointManager(tmp_path, keep_last=5, background=True)
+    gate = threading.Event()
+    import purestep.api.checkpoint._files as files
+
+    real = files.write_tensors
+
+    def held(path, tensors):  # the disk is slow until the gate opens
+        gate.wait(30)
+        return real(path, tensors)
+
+    monkeypatch.setattr(files, "write_tensors", held)
+    path = manager.save(1, params=params, opt_state=state)
+    job = manager._pending._job
+    monkeypatch.setattr(job.finished, "wait", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        manager.wait()
+    assert manager._pending is not None  # still pending
+    monkeypatch.undo()
+    monkeypatch.setattr(files, "write_tensors", held)
+    gate.set()
+    c = manager.load(path, params_like=params, opt_state_like=state)  # waits for the write
+    assert c.step == 1 and manager._pending is None

@@ -245,3 +245,76 @@ def test_params_missing_grads_at_random_compile_a_bounded_number_of_cohorts(monk
     assert len(opt._groups[0].cohorts) > COMPILED_COHORTS  # the histories parted further
     assert dynamo_utils.counters["stats"]["unique_graphs"] <= COMPILED_COHORTS  # the whole group never ran
     assert _steps(opt) == _steps(ref)
+
+
+def test_groups_that_keep_one_count_still_skip_params_without_grads():
+    """A mask given as a tree of the whole group (it cannot run on a part) and a
+    `differentiable` group keep one count per group (the skipped param held as it was)."""
+    ours, theirs = _models(7)
+    names = [n for n, _ in ours.named_parameters()]
+    mask = {n: n.endswith("weight") for n in names}
+    opt = Optimizer(ours.named_parameters(), ps.adamw(1e-2, weight_decay=0.1, mask=mask))
+    assert not opt._groups[0].cohortable
+    ours[0].requires_grad_(False)
+    before = ours[0].weight.detach().clone()
+    x = torch.randn(3, 16, 8, dtype=torch.float64)
+    for t in range(3):
+        _step(ours, opt, x[t])
+    assert torch.equal(ours[0].weight.detach(), before)
+    # differentiable=True (non-leaf params, as torch's own test of the flag): steps equal torch's
+    # while the params have grads; the group keeps one count.
+    leaves = [torch.randn(4, 3, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    ps_, qs = [p.clone() for p in leaves], [p.clone() for p in leaves]
+    opt = Optimizer(ps_, ps.adamw, lr=0.1, differentiable=True)
+    ref = torch.optim.AdamW(qs, lr=0.1, differentiable=True)
+    assert not opt._groups[0].cohortable
+    for _ in range(3):
+        for params, o in ((ps_, opt), (qs, ref)):
+            for p in params:
+                p.grad = torch.ones_like(p)
+            o.step()
+    for a, b in zip(ps_, qs):  # torch's differentiable path keeps `step` in float32: 1e-6 apart here
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_the_state_copies_as_plain_dicts_and_takes_in_dicts_code_puts_there():
+    """torch's semantics for `optimizer.state`: copy/deepcopy/pickle give plain dicts; a dict
+    code assigns is the entry itself (later writes to it count), as is a whole new state."""
+    import collections
+    import pickle
+
+    for edit in ("setitem", "new state"):
+        ours, theirs = _models(8)
+        opt = Optimizer(ours.parameters(), ps.adamw, lr=1e-2)
+        ref = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
+        x = torch.randn(6, 16, 8, dtype=torch.float64)
+        for t in range(6):
+            if t == 3:
+                for o, p in ((opt, ours[0].weight), (ref, theirs[0].weight)):
+                    if edit == "setitem":
+                        d: dict = {}
+                        o.state[p] = d
+                    else:
+                        new = collections.defaultdict(dict, {q: dict(e) for q, e in o.state.items()})
+                        o.state = new
+                        d = new[p]
+                    d["step"] = torch.tensor(3.0)
+                    d["exp_avg"] = torch.full_like(p, 0.3)
+                    d["exp_avg_sq"] = torch.full_like(p, 0.2)
+            _step(ours, opt, x[t])
+            _step(theirs, ref, x[t])
+            _close(ours, theirs, f"{edit}, step {t}")
+        for copied in (copy.copy(opt.state), copy.deepcopy(opt.state), pickle.loads(pickle.dumps(opt.state))):
+            assert type(copied) is collections.defaultdict and len(copied) == 6  # 3 layers x (weight, bias)
+            assert all(isinstance(e, dict) and "exp_avg" in e for e in copied.values())
+
+
+def test_opt_states_show_the_largest_step_once_params_part():
+    ours, _ = _models(9)
+    opt = Optimizer(ours.parameters(), ps.adamw, lr=1e-2)
+    ours[0].requires_grad_(False)
+    x = torch.randn(4, 16, 8, dtype=torch.float64)
+    for t in range(4):
+        _step(ours, opt, x[t])
+    assert sorted(set(_steps(opt).values())) == [4.0]  # the frozen layer never stepped: no entry
+    assert int(ps.step_count(opt.opt_states[0])) == 4

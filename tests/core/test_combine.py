@@ -360,3 +360,31 @@ def test_get_hyperparams_qualifies_only_ambiguous_names_and_set_hyperparam_takes
     state = ps.set_hyperparam(state, "inner_states.b.lr", 0.5)
     assert float(ps.get_hyperparams(state)["inner_states.b.lr"]) == 0.5
     assert float(ps.get_hyperparams(state)["inner_states.a.lr"]) == 1e-3
+
+
+def test_apply_if_finite_skips_the_same_way_in_place_and_keeps_the_folded_decay():
+    """Eagerly in place (donate=True, CPU) a skipped step is a zero update, as the pure one:
+    a chain's decay after `apply_if_finite` still applies; float16 state (an accumulation
+    buffer of fp16 params) takes the full check, so a finite norm past √65504 is applied;
+    and the check runs under inference mode."""
+    opt = ps.chain(ps.apply_if_finite(ps.sgd(1.0)), ps.add_decayed_weights(0.1), ps.scale_by_lr(0.5))
+    nan = {"w": torch.tensor([float("nan"), 1.0, 1.0])}
+    results = []
+    for donate in (False, True):
+        p = {"w": torch.ones(3)}
+        s = opt.init(p)
+        p, s = ps.make_update(opt, donate=donate)(p, {k: v.clone() for k, v in nan.items()}, s)[:2]
+        results.append(p["w"])
+    torch.testing.assert_close(results[0], torch.full((3,), 0.95))
+    torch.testing.assert_close(results[1], results[0])
+    fp16 = {"w": torch.zeros(1000, dtype=torch.float16)}
+    acc = ps.apply_if_finite(ps.accumulate(ps.adam(1e-3), every=2))
+    grads = {"w": torch.full((1000,), 10.0, dtype=torch.float16)}  # norm 316 > √65504, every g² finite
+    for donate in (False, True):
+        s = acc.init(fp16)
+        s = ps.make_update(acc, donate=donate)({"w": fp16["w"].clone()}, grads, s)[1]
+        assert int(s.total_notfinite) == 0
+    with torch.inference_mode():
+        clip = ps.chain(ps.clip_by_global_norm(1.0), ps.sgd(0.1))
+        u, _ = clip.update({"w": torch.ones(3)}, clip.init({"w": torch.ones(3)}))
+    torch.testing.assert_close(u["w"], torch.full((3,), -0.1 / 3**0.5))

@@ -70,8 +70,10 @@ class Optimizer(torch.optim.Optimizer):
         one history, each its own update (a compiled group compiles each cohort when it first
         runs, never per step, and at most 8 in all: params that keep missing grads at random,
         as unrouted experts, run eagerly past that). A transform whose state holds more than per-param buffers, step counts
-        and schedules (a statistic over the group, as Prodigy's estimate) keeps one count per
-        group: a skipped param is held as it was while the group's count advances. A param's shape, dtype and
+        and schedules (a statistic over the group, as Prodigy's estimate or a clip's norm), or
+        that cannot run on part of the group (a mask or labels given as a tree of the whole
+        group), and a `differentiable` group keep one count per group: a skipped param is
+        held as it was while the group's count advances. A param's shape, dtype and
         device must stay as they were at construction (build the optimizer after
         `model.to(...)`); its storage may change (`p.data = ...`) as in torch.optim, but in
         a compiled group that makes the next step re-bind the flat buffers and compile

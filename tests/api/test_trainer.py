@@ -363,9 +363,13 @@ def test_sigkill_mid_run_then_resume_is_bit_identical(tmp_path, whole_run):
     assert steps == sorted(steps) and steps[-1] == 40  # nothing logged twice after the rewind to the checkpoint
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=["SIGTERM", "Ctrl-C", "SIGHUP"])
-def test_a_stop_signal_saves_the_step_reached_and_exits_cleanly(tmp_path, whole_run, sig):
-    proc = worker(tmp_path, 40)
+@pytest.mark.parametrize(
+    "sig, extra",
+    [(signal.SIGTERM, ()), (signal.SIGINT, ()), (signal.SIGHUP, ()), (signal.SIGTERM, ("--set", "async_checkpoint=true"))],
+    ids=["SIGTERM", "Ctrl-C", "SIGHUP", "SIGTERM, checkpoints in the background"],
+)
+def test_a_stop_signal_saves_the_step_reached_and_exits_cleanly(tmp_path, whole_run, sig, extra):
+    proc = worker(tmp_path, 40, *extra)
     wait_for(tmp_path / "metrics.jsonl", proc, lines=6)
     proc.send_signal(sig)
     err = proc.stderr.read()
@@ -374,7 +378,7 @@ def test_a_stop_signal_saves_the_step_reached_and_exits_cleanly(tmp_path, whole_
     step = int(err.split("at step ")[1].split(";")[0])
     assert 6 <= step < 40 and load_checkpoint(tmp_path / "checkpoints" / f"step_{step:08d}").step == step
     if sig == signal.SIGTERM:  # and the resumed run ends where the uninterrupted one does
-        resumed = worker(tmp_path, 40, "--resume")
+        resumed = worker(tmp_path, 40, "--resume", *extra)
         assert resumed.wait() == 0, resumed.stderr.read()
         assert_same_checkpoint(tmp_path / "checkpoints" / "step_00000040", whole_run)
 

@@ -359,11 +359,14 @@ def apply_if_finite(inner: Transform, max_consecutive: int | None = None) -> Tra
 
     lean = bounded(inner)  # the grads tell: no read of the new state
 
+    def grads_decide(floats: list[Tensor]) -> bool:  # float16 state takes the full check (see `_fits`)
+        return lean and not any(x.dtype == torch.float16 for x in floats)
+
     def update(grads, state, params=None, **extra):
         updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
         floats = [x for x in pytree.tree_leaves(inner_state) if isinstance(x, Tensor) and x.is_floating_point()]
         # Over FSDP2 shards: one count on every rank, summed in one collective.
-        if lean and not any(x.dtype == torch.float16 for x in floats):
+        if grads_decide(floats):
             finite = _fits(grads, floats)
         else:
             finite = lay.all_finite(grads, pytree.tree_leaves(grads) + floats)
@@ -384,8 +387,7 @@ def apply_if_finite(inner: Transform, max_consecutive: int | None = None) -> Tra
         # or not at all. Reading the flag there waits on nothing: the CPU computed it already.
         leaves = pytree.tree_leaves(grads)
         floats = [x for x in pytree.tree_leaves(state.inner_state) if isinstance(x, Tensor) and x.is_floating_point()]
-        narrow = any(x.dtype == torch.float16 for x in floats)  # the full check (see `_fits`)
-        if not lean or narrow or any(x.device.type != "cpu" for x in leaves + floats):  # decided on the device
+        if not grads_decide(floats) or any(x.device.type != "cpu" for x in leaves + floats):  # decided on the device
             updates, new_state = update(grads, state, params)
             ls.scale_add_(
                 tr.check_match(params, updates, "params", "updates", dtype=False), a, b, tr.tree_leaves(updates)

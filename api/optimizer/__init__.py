@@ -151,7 +151,7 @@ class Optimizer(torch.optim.Optimizer):
             if self._mirror is not None:
                 defaults = L.torch_group(transform, self._mirror, self._kwargs, "Optimizer")
             else:
-                defaults = {k: v for k, v in self._kwargs.items() if _is_plain(v)}
+                defaults = {k: v for k, v in self._kwargs.items() if L.is_plain(v)}
         else:
             raise ValueError(
                 f"transform must be a ps.Transform (e.g. ps.adamw(1e-3)) or a factory (ps.adamw), "
@@ -282,9 +282,9 @@ class Optimizer(torch.optim.Optimizer):
         """Write group values that changed into the state; refuse a changed structural one."""
         for key, old in g.pushed.items():
             new = group[key]
-            if new is not old and _changed(new, old):
+            if new is not old and L.changed(new, old):
                 for target in g.hyper_targets(key):
-                    _fill(target, new, f"param group {index} {key!r}")
+                    L.fill(target, new, f"param group {index} {key!r}")
                 g.pushed[key] = new
         for key, value in g.static.items():
             new = group.get(key)
@@ -433,7 +433,7 @@ class Optimizer(torch.optim.Optimizer):
             target = hyper.get(key, g.hyper[key])
             scratch = tuple(t.clone() for t in target) if isinstance(target, tuple) else target.clone()
             try:
-                _fill(scratch, values[key], f"param group {index} {key!r}")
+                L.fill(scratch, values[key], f"param group {index} {key!r}")
             except (TypeError, RuntimeError, OverflowError) as e:
                 raise ValueError(
                     f"param group {index} {key!r}: {values[key]!r} is not a value it can take ({e})"
@@ -492,31 +492,3 @@ _HYPERPARAMETERS = frozenset(
 
 def _name(factory: Callable) -> str:
     return f"ps.{getattr(factory, '__name__', repr(factory))}"
-
-
-def _is_plain(value: Any) -> bool:
-    """A value torch.save(weights_only=True) and a param group can hold."""
-    if isinstance(value, (tuple, list)):
-        return all(_is_plain(v) for v in value)
-    return value is None or isinstance(value, (bool, int, float, str))
-
-
-def _changed(new: Any, old: Any) -> bool:
-    if isinstance(new, Tensor) or isinstance(old, Tensor):
-        return new is not old  # never a host sync
-    if isinstance(new, (tuple, list)) and isinstance(old, (tuple, list)):
-        return len(new) != len(old) or any(_changed(a, b) for a, b in zip(new, old))
-    return new != old
-
-
-def _fill(target: Any, value: Any, where: str) -> None:
-    """Write `value` into the live hyperparameter tensor(s) `target`, in place."""
-    if isinstance(target, tuple):
-        if not isinstance(value, (tuple, list)) or len(value) != len(target):
-            raise ValueError(f"{where} must be a tuple of {len(target)} values, got {value!r}")
-        for t, v in zip(target, value):
-            _fill(t, v, where)
-    elif isinstance(value, Tensor):
-        target.copy_(value.detach().reshape(()))
-    else:
-        target.fill_(value)

@@ -120,6 +120,40 @@ def factory_kwargs(factory: Callable, mirror: Mirror | None, group: dict[str, An
 
 
 # --------------------------------------------------------------------------- #
+# Hyperparameter values between param groups and the state.
+# --------------------------------------------------------------------------- #
+
+
+def is_plain(value: Any) -> bool:
+    """A value torch.save(weights_only=True) and a param group can hold."""
+    if isinstance(value, (tuple, list)):
+        return all(is_plain(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def changed(new: Any, old: Any) -> bool:
+    """Whether a group value differs from the one the state holds (tensors: by identity)."""
+    if isinstance(new, Tensor) or isinstance(old, Tensor):
+        return new is not old  # never a host sync
+    if isinstance(new, (tuple, list)) and isinstance(old, (tuple, list)):
+        return len(new) != len(old) or any(changed(a, b) for a, b in zip(new, old))
+    return new != old
+
+
+def fill(target: Any, value: Any, where: str) -> None:
+    """Write `value` into the live hyperparameter tensor(s) `target`, in place."""
+    if isinstance(target, tuple):
+        if not isinstance(value, (tuple, list)) or len(value) != len(target):
+            raise ValueError(f"{where} must be a tuple of {len(target)} values, got {value!r}")
+        for t, v in zip(target, value):
+            fill(t, v, where)
+    elif isinstance(value, Tensor):
+        target.copy_(value.detach().reshape(()))
+    else:
+        target.fill_(value)
+
+
+# --------------------------------------------------------------------------- #
 # Which state leaf is what.
 # --------------------------------------------------------------------------- #
 

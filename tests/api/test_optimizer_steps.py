@@ -284,6 +284,7 @@ def test_the_state_copies_as_plain_dicts_and_takes_in_dicts_code_puts_there():
     import pickle
 
     for edit in ("setitem", "new state"):
+        held_dicts: dict[int, dict] = {}
         ours, theirs = _models(8)
         opt = Optimizer(ours.parameters(), ps.adamw, lr=1e-2)
         ref = torch.optim.AdamW(theirs.parameters(), lr=1e-2)
@@ -301,6 +302,10 @@ def test_the_state_copies_as_plain_dicts_and_takes_in_dicts_code_puts_there():
                     d["step"] = torch.tensor(3.0)
                     d["exp_avg"] = torch.full_like(p, 0.3)
                     d["exp_avg_sq"] = torch.full_like(p, 0.2)
+                    held_dicts[id(o)] = d  # written to again a step later
+            if t == 4:  # the dict code holds is still the entry: a later write to it counts too
+                for o, p in ((opt, ours[0].weight), (ref, theirs[0].weight)):
+                    held_dicts[id(o)]["exp_avg"] = torch.full_like(p, 0.1)
             _step(ours, opt, x[t])
             _step(theirs, ref, x[t])
             _close(ours, theirs, f"{edit}, step {t}")

@@ -92,6 +92,10 @@ from ._sophia import scale_by_sophia as scale_by_sophia
 from ._adopt import ScaleByAdoptState as ScaleByAdoptState
 from ._adopt import adopt as adopt
 from ._adopt import scale_by_adopt as scale_by_adopt
+from ._kron import ScaleByKronState as ScaleByKronState
+from ._kron import kron as kron
+from ._kron import scale_by_kron as scale_by_kron
+from ._kron import update_probability as kron_update_probability
 from ._prodigy import ProdigyState as ProdigyState
 from ._prodigy import prodigy as prodigy
 from ._mars import ScaleByMarsState as ScaleByMarsState
@@ -292,6 +296,10 @@ __all__ = [
     "DecayAfterState",
     "adamc",
     "AdamcState",
+    "kron",
+    "scale_by_kron",
+    "ScaleByKronState",
+    "kron_update_probability",
     # the step function
     "make_step",
     "make_update",

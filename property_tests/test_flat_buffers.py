@@ -22,7 +22,7 @@ from tests.registry import TRANSFORMS
 
 # State that is not shaped like the params (a zero-size buffer per float64 param) is laid
 # out per leaf: planning says so instead of packing.
-PER_LEAF = {"compensated_updates", "soap", "scale_by_soap"}  # SOAP: d × d factors per dimension
+PER_LEAF = {"compensated_updates", "soap", "scale_by_soap", "kron", "scale_by_kron"}  # SOAP, Kron: d × d factors per dimension
 RTOL, ATOL = TOLERANCES[torch.float64]
 
 

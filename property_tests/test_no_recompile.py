@@ -38,6 +38,7 @@ INJECTED = {
     "mars": dict(lr=1e-2, gamma=0.05, weight_decay=0.1),
     "laprop": dict(lr=1e-2, weight_decay=0.1),
     "adamc": dict(lr=1e-2, weight_decay=0.1),
+    "kron": dict(lr=1e-2, b1=0.9, weight_decay=0.1, update_prob=0.5),
 }
 
 

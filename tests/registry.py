@@ -123,6 +123,9 @@ TRANSFORMS: dict[str, Case] = {
         Case("laprop", lambda: ps.laprop(lambda t: 1e-2 / (1.0 + t), weight_decay=0.1), scale_invariant=True),
         Case("scale_by_laprop", lambda: ps.scale_by_laprop(lambda t: 1.0 + t), needs_params=False, scale_invariant=True),
         Case("adamc", lambda: ps.adamc(1e-2, weight_decay=0.1), decoupled_decay=True, scale_invariant=True),
+        Case("kron", lambda: ps.kron(1e-2, weight_decay=0.1, update_prob=0.5), decoupled_decay=True),
+        Case("scale_by_kron", lambda: ps.scale_by_kron(update_prob=lambda t: 1.0 / (1.0 + t), memory_save_mode="one_diag"),
+             needs_params=False),
         Case("adamw(cautious_weight_decay)", lambda: ps.adamw(1e-2, weight_decay=0.1, cautious_weight_decay=True),
              scale_invariant=True),
         Case("lion(cautious_weight_decay)", lambda: ps.lion(1e-2, weight_decay=0.1, cautious_weight_decay=True),
@@ -132,6 +135,7 @@ TRANSFORMS: dict[str, Case] = {
 
 SCHEDULES: dict[str, Callable[[], Callable]] = {
     "constant_schedule": lambda: ps.constant_schedule(0.1),
+    "kron_update_probability": lambda: ps.kron_update_probability(flat_start=20, decay=0.05),
     "linear_schedule": lambda: ps.linear_schedule(1.0, 0.1, 30),
     "cosine_schedule": lambda: ps.cosine_schedule(1.0, 100, final=0.1),
     "warmup_cosine_schedule": lambda: ps.warmup_cosine_schedule(1.0, 10, 100, init=0.01, final=0.05),
@@ -178,4 +182,5 @@ NOT_TRANSFORMS = {
     "stochastic_round", "quantize_blockwise", "dequantize_blockwise", "QuantizedTensor", "CompensatedUpdatesState",
     "ScaleByAdemamixState", "mup_lr_multipliers",
     "ScaleByAdoptState", "ProdigyState", "ScaleByMarsState", "ScaleByLapropState", "DecayAfterState", "AdamcState",
+    "ScaleByKronState",
 }

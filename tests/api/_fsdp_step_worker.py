@@ -40,7 +40,10 @@ CASES = {
         lr=0.02, adamw_lr=0.01, ns_dtype=torch.float32, split=lambda path, x: (2, 3) if x.shape[0] == 5 else None)),
     "normuon_batch_dims": lambda: ps.apply_if_finite(ps.normuon_adamw(
         lr=0.02, adamw_lr=0.01, ns_dtype=torch.float32, batch_dims=lambda path, x: int(x.dim() == 3))),
+    # Kronecker factors per whole leaf: every rank refits and preconditions whole DTensors
+    "kron": lambda: ps.apply_if_finite(ps.kron(0.02, weight_decay=0.1, update_prob=0.5)),
 }
+WHOLE = ("kron",)  # cases that run on whole DTensors (the per-leaf DTensor path), not this rank's blocks
 COMPILED = ("adamw+clip+skip", "muon_adamw", "normuon_adamw", "prodigy", "normuon_batch_dims")  # compile costs seconds per case
 
 
@@ -118,8 +121,9 @@ def run(name: str, compile: bool, flat: bool = True, mesh=None) -> float:
                 raise AssertionError(f"{name} compile={compile}: the replicas differ in {k}")
     skipped = int(ps.tree_get(state, "total_notfinite"))
     assert skipped == 1, f"{name}: {skipped} skipped steps, expected the NaN step only"
-    assert update.explain().startswith("sharded" if flat else "per-leaf DTensor"), update.explain()
-    assert mesh is None or not flat or "HSDP, 2 replicas x 2 shards" in update.explain(), update.explain()
+    sharded = flat and name not in WHOLE
+    assert update.explain().startswith("sharded" if sharded else "per-leaf DTensor"), update.explain()
+    assert mesh is None or not sharded or "HSDP, 2 replicas x 2 shards" in update.explain(), update.explain()
     # A forward after the last update reads it: FSDP2 all-gathers from the flat buffers.
     x = torch.randn(4, 6, generator=gen)
     torch.testing.assert_close(net(x), torch.func.functional_call(ref, ref_params, (x,)), rtol=1e-5, atol=1e-5)
@@ -163,7 +167,7 @@ class MLP(torch.nn.Module):
         return self.head(torch.tanh(self.down(torch.tanh(self.up(x)))))
 
 
-TP_CASES = ("adamw+clip+skip", "muon_adamw", "lamb", "qk_clip")
+TP_CASES = ("adamw+clip+skip", "muon_adamw", "lamb", "qk_clip", "kron")
 # QK-clip's head rows on TP's colwise (Shard(0)) and rowwise (Shard(1)) weights, on whole DTensors.
 TP_ONLY = {"qk_clip": lambda: ps.chain(ps.adamw(0.02), ps.qk_clip(5.0, {"attn": ps.QKHeads(q="up.weight", k="down.weight", heads=2)}))}
 

@@ -387,6 +387,8 @@ def test_fourth_release_optimizers_build_from_their_names_and_kwargs():
         "mars": (["optimizer.kwargs.gamma=0.05"], ps.mars(1e-2, gamma=0.05)),
         "laprop": (["optimizer.kwargs.b1=0.8"], ps.laprop(1e-2, b1=0.8)),
         "adamc": (["optimizer.kwargs.weight_decay=0.2"], ps.adamc(1e-2, weight_decay=0.2)),
+        "kron": (["optimizer.kwargs.update_prob=0.5", "optimizer.kwargs.memory_save_mode=one_diag"],
+                 ps.kron(1e-2, update_prob=0.5, memory_save_mode="one_diag")),
         "adamw": (["optimizer.kwargs.cautious_weight_decay=true", "optimizer.kwargs.weight_decay=0.5"],
                   ps.adamw(1e-2, weight_decay=0.5, cautious_weight_decay=True)),
     }

@@ -33,7 +33,7 @@ def test_sharded_update_on_two_fsdp2_ranks_equals_one_process():
         ["prodigy", "compile=False"], ["prodigy", "compile=True"], ["mars", "compile=False"],
         ["adopt/laprop/adamc", "compile=False"], ["muon_batch_dims", "compile=False"], ["muon_split", "compile=False"],
         ["normuon_batch_dims", "compile=False"], ["normuon_batch_dims", "compile=True"],
-        ["per-leaf-DTensor", "compile=False"],
+        ["kron", "compile=False"], ["per-leaf-DTensor", "compile=False"],
     ], out.stdout
 
 
@@ -56,5 +56,5 @@ def test_sharded_update_on_an_hsdp_mesh_of_four_ranks_equals_one_process_and_kee
     # params): torch's own clip_grad_norm_ refuses the mixed meshes; the update runs on whole
     # DTensors (the per-leaf DTensor path, which says why) and equals one process.
     tp = [line.split()[:3] for line in out.stdout.splitlines() if line.startswith(("ok fsdp+tp ", "ok tp "))]
-    assert tp == [["ok", layout, name] for layout in ("fsdp+tp", "tp") for name in ("adamw+clip+skip", "muon_adamw", "lamb", "qk_clip")], out.stdout
+    assert tp == [["ok", layout, name] for layout in ("fsdp+tp", "tp") for name in ("adamw+clip+skip", "muon_adamw", "lamb", "qk_clip", "kron")], out.stdout
     assert all("path='per-leaf DTensor'" in line for line in out.stdout.splitlines() if line.startswith(("ok fsdp+tp", "ok tp "))), out.stdout

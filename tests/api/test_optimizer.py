@@ -608,6 +608,7 @@ def test_fourth_release_factories_run_in_the_adapter_as_their_transforms():
         (ps.mars, dict(lr=1e-2)),
         (ps.laprop, dict(lr=1e-2, weight_decay=0.1)),
         (ps.adamc, dict(lr=1e-2, weight_decay=0.1)),
+        (ps.kron, dict(lr=1e-2, weight_decay=0.1, update_prob=0.5)),
         (ps.lion, dict(lr=1e-3, weight_decay=0.5, cautious_weight_decay=True)),
     ]:
         net = copy.deepcopy(model)

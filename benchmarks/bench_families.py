@@ -2,6 +2,7 @@
 
     python benchmarks/bench_families.py quality --optimizers adamw muon ademamix cautious_adamw --seed 0
     python benchmarks/bench_families.py quality --optimizers normuon soap --seed 0   # needs normuon/soap in purestep
+    python benchmarks/bench_families.py quality --optimizers adamw kron --lr-mults 0.5 1 2 --seed 0   # an lr grid
     python benchmarks/bench_families.py quality --merge results/A.json results/B.json ... --tag quality480
     python benchmarks/bench_families.py timing                      # step time, all optimizers round-robin
     python benchmarks/bench_families.py mup                         # loss vs lr at widths 64/128/256, SP and μP
@@ -50,10 +51,15 @@ from purestep.api.models import GPT  # noqa: E402
 
 CLIP, WD = 1.0, 0.01
 ADAMW_LR, MUON_LR = 3e-3, 0.02  # the demo's two lrs (AdamW side, Muon side)
+KRON_LR = 1e-3  # kron_torch's, HeavyBall's and pytorch_optimizer's default
 NS_DTYPE = torch.bfloat16 if torch.cuda.is_available() else torch.float32  # as the demo: bf16 matmuls are slow on CPU
 
 
+LR_MULT = [1.0]  # the grid's multiplier of every peak lr below (set per run by `quality --lr-mults`)
+
+
 def schedule(peak: float, steps: int) -> Callable:
+    peak = peak * LR_MULT[0]
     return ps.warmup_cosine_schedule(peak, max(1, steps // 20), steps, final=peak / 10)
 
 
@@ -106,14 +112,21 @@ OPTIMIZERS: dict[str, Callable[[int], ps.Transform]] = {
     "adamc": lambda steps: ps.adamc(schedule(ADAMW_LR, steps), b1=0.9, b2=0.95, weight_decay=WD),
     "adamw_cwd": lambda steps: ps.adamw(schedule(ADAMW_LR, steps), betas=(0.9, 0.95), weight_decay=WD,
                                         cautious_weight_decay=True),
+    # PSGD-Kron at the references' lr (its update has RMS <= 1.1, as Adam's about 1), refits with
+    # their probability schedule (every step for the first 500).
+    "kron": lambda steps: ps.kron(schedule(KRON_LR, steps), b1=0.9, weight_decay=WD),
 }
 NEEDS = {"normuon": "normuon_adamw", "soap": "soap", "ademamix": "ademamix", "cautious_adamw": "cautious_adamw"}
 
 
-def build(name: str, steps: int) -> ps.Transform:
+def build(name: str, steps: int, lr_mult: float = 1.0) -> ps.Transform:
     if name in NEEDS and not hasattr(ps, NEEDS[name]):
         raise SystemExit(f"{name}: this purestep has no ps.{NEEDS[name]} (it comes with issue 21's other branch)")
-    return ps.chain(ps.clip_by_global_norm(CLIP), OPTIMIZERS[name](steps))
+    LR_MULT[0] = lr_mult
+    try:
+        return ps.chain(ps.clip_by_global_norm(CLIP), OPTIMIZERS[name](steps))
+    finally:
+        LR_MULT[0] = 1.0
 
 
 # --------------------------------------------------------------------------- #
@@ -222,32 +235,56 @@ def plot_quality(runs: dict[tuple[str, int], dict], path: Path) -> None:
 
 
 def quality(args: argparse.Namespace) -> str:
-    runs: dict[tuple[str, int], dict] = {}
+    runs: dict[tuple[str, int, float], dict] = {}
     stem = f"{time.strftime('%Y-%m-%d')}-families-{args.tag or 'quality'}-cpu"
     C.RESULTS.mkdir(parents=True, exist_ok=True)
     eval_every = args.eval_every or max(1, args.steps // 8)
+    dump = lambda: (C.RESULTS / f"{stem}.json").write_text(  # noqa: E731
+        json.dumps({f"{n} | seed {s} | lr x{m:g}": r for (n, s, m), r in runs.items()}, indent=0))
     if args.optimizers:
         data, val = demo_data(args.seed, args.val_batches)
         for name in args.optimizers:
-            opt = build(name, args.steps)
-            print(f"training: {name} (seed {args.seed}, {args.steps} steps)", flush=True)
-            runs[(name, args.seed)] = r = train(demo_model(args.seed), opt, data, val, args.steps, eval_every)
-            r.update(optimizer=name, seed=args.seed)
-            print(f"  val loss {r['val'][-1][1]:.4f}, median step {r['step_ms_median']:.0f} ms", flush=True)
-            (C.RESULTS / f"{stem}.json").write_text(json.dumps({f"{n} | seed {s}": r for (n, s), r in runs.items()}, indent=0))
+            for mult in args.lr_mults:
+                opt = build(name, args.steps, mult)
+                print(f"training: {name} (seed {args.seed}, {args.steps} steps, lr x{mult:g})", flush=True)
+                runs[(name, args.seed, mult)] = r = train(demo_model(args.seed), opt, data, val, args.steps, eval_every)
+                r.update(optimizer=name, seed=args.seed, lr_mult=mult)
+                print(f"  val loss {r['val'][-1][1]:.4f}, median step {r['step_ms_median']:.0f} ms", flush=True)
+                dump()
     for path in args.merge:
         for r in json.loads(path.read_text()).values():
-            runs.setdefault((r["optimizer"], r["seed"]), r)
+            runs.setdefault((r["optimizer"], r["seed"], r.get("lr_mult", 1.0)), r)
     order = list(OPTIMIZERS)
-    runs = {k: runs[k] for k in sorted(runs, key=lambda k: (order.index(k[0]), k[1]))}
+    runs = {k: runs[k] for k in sorted(runs, key=lambda k: (order.index(k[0]), k[2], k[1]))}
     if args.merge:
-        (C.RESULTS / f"{stem}.json").write_text(json.dumps({f"{n} | seed {s}": r for (n, s), r in runs.items()}, indent=0))
-    plot_quality(runs, C.RESULTS / f"{stem}.png")
-    table = quality_tables(runs)
-    print(table)
-    return (f"## Training quality (demo GPT, {args.steps} steps, warmup + cosine to peak/10, clip {CLIP}, decay {WD}; "
-            f"val loss over {args.val_batches} fixed batches, the same for every seed)\n\n{table}\n\n"
-            f"Curves: `{stem}.png`; per-step losses: `{stem}.json`.")
+        dump()
+    tuned, grid = tune(runs)
+    plot_quality(tuned, C.RESULTS / f"{stem}.png")
+    table = quality_tables(tuned)
+    print(grid + "\n\n" + table)
+    head = (f"## Training quality (demo GPT, {args.steps} steps, warmup + cosine to peak/10, clip {CLIP}, decay {WD}; "
+            f"val loss over {args.val_batches} fixed batches, the same for every seed)")
+    if grid:
+        head += ("\n\n### The lr grid (seed 0; each optimizer's peak lr times the multiplier; the best, marked, is the "
+                 f"lr of the table below)\n\n{grid}\n\n### At each optimizer's best lr")
+    return f"{head}\n\n{table}\n\nCurves: `{stem}.png`; per-step losses: `{stem}.json`."
+
+
+def tune(runs: dict[tuple[str, int, float], dict]) -> tuple[dict[tuple[str, int], dict], str]:
+    """Each optimizer's runs at its best lr multiplier (the lowest final val loss on the lowest
+    seed that ran the grid), and the grid's table ("" when only one lr ran)."""
+    final = lambda r: r["val"][-1][1] if math.isfinite(r["val"][-1][1]) else float("inf")  # noqa: E731
+    mults = sorted({m for _, _, m in runs})
+    best: dict[str, float] = {}
+    rows = []
+    for name in dict.fromkeys(n for n, _, _ in runs):
+        seed = min(s for n, s, _ in runs if n == name)
+        tried = {m: final(r) for (n, s, m), r in runs.items() if n == name and s == seed}
+        best[name] = min(tried, key=tried.get)
+        rows.append([name, str(seed), *(("**%.4f**" if m == best[name] else "%.4f") % tried[m] if m in tried else ""
+                                        for m in mults)])
+    grid = C.table(["optimizer", "seed", *(f"lr x{m:g}" for m in mults)], rows) if len(mults) > 1 else ""
+    return {(n, s): r for (n, s, m), r in runs.items() if m == best[n]}, grid
 
 
 def timing(args: argparse.Namespace) -> str:
@@ -420,6 +457,7 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=0, help="default: steps / 8")
     parser.add_argument("--val-batches", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr-mults", nargs="*", type=float, default=[1.0], help="quality: the lr grid, as multipliers")
     parser.add_argument("--merge", nargs="*", default=[], type=Path)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=1)

@@ -25,6 +25,13 @@ from .dtensor import is_dtensor
 from .packed import PackSpec
 
 
+Unit = Any  # a unit of owner-computes: a leaf index, or (leaf index, first row, end row)
+
+
+def _order(unit: Unit) -> tuple[int, int]:
+    return (unit, 0) if not isinstance(unit, tuple) else unit[:2]
+
+
 @dataclasses.dataclass(frozen=True)
 class _Slice:
     """A leaf as the ranks hold it: rows [starts[r], starts[r] + counts[r]) on rank r."""
@@ -122,29 +129,45 @@ class ShardInfo:
 
         return fc.wait_tensor(fc.all_to_all_single(x, out_splits, in_splits, self.group))
 
-    def owners(self, indices: tuple[int, ...]) -> dict[int, int]:
-        """leaf index -> owner rank (in the shard group) for the sharded matrices `indices`."""
-        return self._assign(indices)[0]
+    def unit_slice(self, unit: Unit) -> _Slice:
+        """How the ranks hold a unit of owner-computes: a leaf index (the whole leaf), or
+        `(leaf index, a, b)`, the matrix of its rows [a, b) (a block of a split leaf)."""
+        if not isinstance(unit, tuple):
+            return self.slices[unit]
+        i, a, b = unit
+        s = self.slices[i]
+        lo = [min(max(a, start), b) for start in s.starts]
+        hi = [max(min(b, start + count), low) for start, count, low in zip(s.starts, s.counts, lo)]
+        rel = tuple(low - a for low in lo)
+        return _Slice(torch.Size((b - a, *s.shape[1:])), rel, tuple(h - low for low, h in zip(lo, hi)), True)
 
-    def computing_replica(self, indices: tuple[int, ...]) -> dict[int, int]:
-        """leaf index -> the replica whose owner computes it (HSDP; 0 without replicas)."""
-        return self._assign(indices)[1]
+    def owners(self, units: tuple[Unit, ...]) -> dict[Unit, int]:
+        """unit -> owner rank (in the shard group) for the sharded matrices `units` (leaf
+        indices, or (leaf, a, b) row blocks: see `unit_slice`)."""
+        return self._assign(units)[0]
 
-    def _assign(self, indices: tuple[int, ...]) -> tuple[dict[int, int], dict[int, int]]:
+    def computing_replica(self, units: tuple[Unit, ...]) -> dict[Unit, int]:
+        """unit -> the replica whose owner computes it (HSDP; 0 without replicas)."""
+        return self._assign(units)[1]
+
+    def _assign(self, indices: tuple[Unit, ...]) -> tuple[dict[Unit, int], dict[Unit, int]]:
         """Owners and computing replicas: largest Newton-Schulz cost (m·n·min(m, n)) first,
         each to the least loaded (replica, rank) slot of the whole mesh (ties: the lowest),
-        so with R replicas of S ranks each rank computes about 1/(R·S) of the work. A pure
-        function of the shapes: every rank computes the same assignment."""
+        so with R replicas of S ranks each rank computes about 1/(R·S) of the work; the
+        blocks of a split leaf (a fused QKV's q, k, v, or its heads) are units of their own,
+        so one large fused leaf spreads over several ranks. A pure function of the shapes:
+        every rank computes the same assignment."""
         if indices not in self._owners:
 
-            def cost(i: int) -> int:
-                rows, cols = self.slices[i].shape[0], self.slices[i].row_numel
+            def cost(u: Unit) -> int:
+                s = self.unit_slice(u)
+                rows, cols = s.shape[0], s.row_numel
                 return rows * cols * min(rows, cols)
 
             slots = [(q, r) for q in range(self.replicas) for r in range(self.world)]
             load = dict.fromkeys(slots, 0)
             owner, replica = {}, {}
-            for i in sorted(indices, key=lambda i: (-cost(i), i)):
+            for i in sorted(indices, key=lambda i: (-cost(i), _order(i))):
                 q, r = min(slots, key=lambda s: (load[s], s))
                 owner[i], replica[i] = r, q
                 load[(q, r)] += cost(i)
@@ -167,15 +190,18 @@ class ShardInfo:
             lead.update((m.index, b) for m in members)
             extra_of.update((m.index, e) for m in members)
 
-        def run(mats: list[Tensor], idx: list[int]) -> list[Tensor]:  # `fn` on the whole matrices of these leaves
+        def run(mats: list[Tensor], idx: list[int], extras: list | None = None) -> list[Tensor]:
+            """`fn` on the whole matrices of these leaves (`extras`: in place of the leaves' own)."""
             leads = [lead[i] for i in idx]
-            return fn(mats, leads) if extra is None else fn(mats, leads, [extra_of[i] for i in idx])
+            if extra is None:
+                return fn(mats, leads)
+            return fn(mats, leads, extras if extras is not None else [extra_of[i] for i in idx])
 
         # Row blocks of a leaf whose dim 0 indexes matrices (batch_dims >= 1: experts) are whole
         # matrices: each rank computes its own, with no collective, and an expert leaf's work is
         # split over the ranks as its rows are (blocks, not leaves).
         by_block = [i for i in sorted(blocks) if self.slices[i].sharded and lead[i] >= 1 and blocks[i].shape[0]]
-        sharded = tuple(sorted(i for i in blocks if self.slices[i].sharded and lead[i] < 1))
+        sharded = sorted(i for i in blocks if self.slices[i].sharded and lead[i] < 1)
         results: dict[int, Tensor] = {
             i: blocks[i] for i in blocks if self.slices[i].sharded and lead[i] >= 1 and not blocks[i].shape[0]
         }
@@ -184,18 +210,51 @@ class ShardInfo:
         if local:  # every rank holds these whole (replicated leaves, its own expert matrices): computed where they are
             results.update(zip(local, run([blocks[i] for i in local], local)))
         if sharded:
-            results.update(self._owner_computes(sharded, blocks, run))
+            results.update(self._split_owner_computes(sharded, blocks, lead, extra_of, run))
         out = []
         for g, x in zip(spec.groups, xs):
             parts = [results[m.index].reshape(blocks[m.index].shape) for m in g.members]
             out.append(torch.stack(parts) if g.is_stack else parts[0])
         return out
 
-    def _owner_computes(self, indices: tuple[int, ...], blocks: dict[int, Tensor], run: Callable) -> dict[int, Tensor]:
+    def _split_owner_computes(
+        self, leaves: list[int], blocks: dict[int, Tensor], lead: dict[int, int], extra_of: dict[int, Any], run: Callable
+    ) -> dict[int, Tensor]:
+        """Owner-computes over units: a leaf whose `extra` is its blocks' row sizes (Muon's
+        `split`) is one unit per block, each its own matrix at its own owner; any other leaf
+        is one unit. Returns this rank's rows of every leaf's result."""
+        units: list[Unit] = []
+        for i in leaves:
+            sizes = extra_of.get(i)
+            if lead[i] == 0 and isinstance(sizes, (tuple, list)) and len(sizes) > 1:
+                ends = [sum(sizes[: k + 1]) for k in range(len(sizes))]
+                units.extend((i, end - size, end) for size, end in zip(sizes, ends))
+            else:
+                units.append(i)
+        local: dict[Unit, Tensor] = {}
+        for u in units:
+            if not isinstance(u, tuple):
+                local[u] = blocks[u]
+                continue
+            i, a, _ = u
+            start, first = self.slices[i].starts[self.rank], self.unit_slice(u).starts[self.rank] + a
+            local[u] = blocks[i][first - start : first - start + self.unit_slice(u).counts[self.rank]]
+
+        def run_units(mats: list[Tensor], us: list[Unit]) -> list[Tensor]:  # a block is a whole matrix: no split
+            idx = [u[0] if isinstance(u, tuple) else u for u in us]
+            return run(mats, idx, [None if isinstance(u, tuple) else extra_of.get(u) for u in us])
+
+        done = self._owner_computes(tuple(units), local, run_units)
+        out: dict[int, list[Tensor]] = {}
+        for u in units:
+            out.setdefault(u[0] if isinstance(u, tuple) else u, []).append(done[u])
+        return {i: torch.cat(parts) if len(parts) > 1 else parts[0] for i, parts in out.items()}
+
+    def _owner_computes(self, indices: tuple[Unit, ...], blocks: dict[Unit, Tensor], run: Callable) -> dict[Unit, Tensor]:
         owner, me, world = self.owners(indices), self.rank, self.world
         mine = [i for i in indices if owner[i] == me]
         dtype = blocks[indices[0]].dtype
-        sl = self.slices
+        sl = {u: self.unit_slice(u) for u in indices}
         # Blocks to their owners: to rank d, my rows of every matrix d owns, in leaf order.
         send = [blocks[i].reshape(-1).to(dtype) for d in range(world) for i in indices if owner[i] == d]
         in_splits = [sum(sl[i].counts[me] * sl[i].row_numel for i in indices if owner[i] == d) for d in range(world)]
@@ -232,11 +291,12 @@ def describe(params: Any) -> str:
         return (
             f"HSDP, {info.replicas} replicas x {info.world} shards: reductions are one all_reduce within each "
             f"replica's {info.world} ranks; whole-matrix math is owner-computes over all {info.replicas * info.world} "
-            "ranks (an all_to_all each way within a replica, one all_reduce across replicas)"
+            "ranks (an all_to_all each way within a replica, one all_reduce across replicas; a split leaf's blocks "
+            "are matrices of their own)"
         )
     return (
         f"FSDP over {info.world} rank(s): reductions are one all_reduce each; whole-matrix math is owner-computes "
-        "(an all_to_all each way)"
+        "(an all_to_all each way; a split leaf's blocks are matrices of their own)"
     )
 
 

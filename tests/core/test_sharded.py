@@ -105,3 +105,22 @@ def test_owner_computes_splits_the_matrices_over_every_rank_of_an_hsdp_mesh():
     assert [owner[i] for i in range(4)] == [0, 1, 0, 1] and [replica[i] for i in range(4)] == [0, 0, 1, 1]
     alone = ShardInfo(None, 2, 0, slices)  # FSDP on one mesh dim: no replicas
     assert set(alone.computing_replica(indices).values()) == {0}
+
+
+def test_the_blocks_of_a_split_leaf_are_units_of_their_own_owned_apart():
+    """A fused (3·d, d) QKV leaf split into q, k, v: three matrices, three owners on three
+    ranks (as one leaf it would be all on one rank), each block's rows found on the ranks
+    that hold them."""
+    info = mesh.ShardInfo(None, 3, 0, [_slice((48, 16), 3), _slice((16, 16), 3)])
+    units = ((0, 0, 16), (0, 16, 32), (0, 32, 48))
+    owner = info.owners(units)
+    assert sorted(owner.values()) == [0, 1, 2]
+    whole = info.owners((0, 1))
+    assert whole[0] != whole[1]  # as leaves: the fused one on one rank, the other elsewhere
+    # rows [16, 32) of a 48-row leaf in chunks of 16: all on rank 1
+    k = info.unit_slice((0, 16, 32))
+    assert k.shape == torch.Size((16, 16)) and k.counts == (0, 16, 0) and k.starts[1] == 0
+    # an uneven split over 2 ranks (5 rows as 2 + 3; rank 0 holds rows 0-2, rank 1 rows 3-4)
+    two = mesh.ShardInfo(None, 2, 0, [_slice((5, 4), 2)])
+    first, second = two.unit_slice((0, 0, 2)), two.unit_slice((0, 2, 5))
+    assert first.counts == (2, 0) and second.counts == (1, 2) and second.starts == (0, 1)

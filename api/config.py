@@ -109,7 +109,11 @@ class TrainConfig(_Section):  # type: ignore[misc]  # msgspec's frozen Struct, n
     `strategy`: "single", "ddp", "fsdp" (FSDP2 over every rank) or "hsdp" (FSDP2 inside
     each of `replicate` groups of ranks, the groups replicas of each other: a
     (replicate, shard) mesh; 0 takes one replica per node, torchrun's ranks / its
-    LOCAL_WORLD_SIZE). Every rank takes its own part of each batch on all of them.
+    LOCAL_WORLD_SIZE), "tp" (tensor parallelism over every rank: the model's `tp_plan`,
+    the built-in GPT's torchtitan plan, splits each block's projections by heads and
+    hidden units; every rank sees the whole batch) or "fsdp+tp" (tensor parallelism within
+    groups of `tp` ranks, 0: one group per node, and FSDP2 over the groups: a (dp, tp)
+    mesh). Every data-parallel rank takes its own part of each batch on all of them.
 
     `precision`: "fp32"; "bf16" (alias "bf16-mixed"): float32 params, forward and
     backward under bf16 autocast; "bf16-true": the model's params (and floating buffers
@@ -146,8 +150,9 @@ class TrainConfig(_Section):  # type: ignore[misc]  # msgspec's frozen Struct, n
     log_every: PositiveInt = 10
     eval_every: NonNegativeInt = 0
     time_budget: Union[Annotated[float, Meta(gt=0)], None] = None
-    strategy: Literal["single", "ddp", "fsdp", "hsdp"] = "single"
+    strategy: Literal["single", "ddp", "fsdp", "hsdp", "tp", "fsdp+tp"] = "single"
     replicate: NonNegativeInt = 0
+    tp: NonNegativeInt = 0
     precision: Literal["fp32", "bf16", "bf16-mixed", "bf16-true", "fp16"] = "fp32"
     compile: bool = False
     ema_decay: Union[Annotated[float, Meta(gt=0, lt=1)], None] = None
@@ -169,7 +174,7 @@ class TrainConfig(_Section):  # type: ignore[misc]  # msgspec's frozen Struct, n
             )
         if self.precision == "fp16":
             raise ConfigError("precision", "'fp16' needs loss scaling, which the Trainer does not run; use 'bf16'")
-        if self.precision == "bf16-true" and self.strategy in ("fsdp", "hsdp"):
+        if self.precision == "bf16-true" and self.strategy in ("fsdp", "hsdp", "fsdp+tp"):
             raise ConfigError(
                 "precision",
                 f"'bf16-true' is not supported with strategy='{self.strategy}' (FSDP2 keeps "
@@ -180,6 +185,18 @@ class TrainConfig(_Section):  # type: ignore[misc]  # msgspec's frozen Struct, n
                 "replicate",
                 f"{self.replicate} replicas asked for, but strategy='{self.strategy}'; "
                 "the replicate degree is HSDP's (strategy='hsdp')",
+            )
+        if self.tp and self.strategy not in ("tp", "fsdp+tp"):
+            raise ConfigError(
+                "tp",
+                f"a tensor-parallel degree of {self.tp} asked for, but strategy='{self.strategy}'; "
+                "set strategy='tp' or 'fsdp+tp'",
+            )
+        if self.strategy in ("tp", "fsdp+tp") and self.optimizer.qk_clip is not None:
+            raise ConfigError(
+                "optimizer.qk_clip",
+                f"QK-clip reads every head's max logit, but strategy='{self.strategy}' splits the heads over "
+                "ranks; run it on 'fsdp' or 'hsdp'",
             )
 
     @property

@@ -25,7 +25,9 @@ from purestep.core.engine.dtensor import full_tree as full_tree  # the one set o
 from purestep.core.engine.dtensor import is_dtensor as is_dtensor
 from purestep.core.engine.dtensor import local as local
 
-STRATEGIES = ("single", "ddp", "fsdp", "hsdp")
+STRATEGIES = ("single", "ddp", "fsdp", "hsdp", "tp", "fsdp+tp")
+TP = ("tp", "fsdp+tp")  # the strategies with tensor parallelism
+FSDP = ("fsdp", "hsdp", "fsdp+tp")  # the strategies whose params FSDP2 shards
 
 
 @dataclass(frozen=True)
@@ -38,22 +40,35 @@ class World:
     device: torch.device
     strategy: str
     replicate: int = 1  # HSDP's replicas (the mesh's first dim); 1 on the other strategies
+    tp: int = 1  # the tensor-parallel degree (the (dp, tp) mesh's second dim); 1 without TP
 
     @property
     def main(self) -> bool:
         return self.rank == 0
 
     @property
+    def dp_rank(self) -> int:
+        """This rank's place among the data-parallel ranks (the ranks of a TP group see the same rows)."""
+        return self.rank // self.tp
+
+    @property
+    def dp_size(self) -> int:
+        """The number of data-parallel ranks: the ranks, less tensor parallelism's."""
+        return self.size // self.tp
+
+    @property
     def distributed(self) -> bool:
         return self.strategy != "single"
 
 
-def setup(strategy: str = "single", device: str | None = None, *, replicate: int = 0) -> World:
+def setup(strategy: str = "single", device: str | None = None, *, replicate: int = 0, tp: int = 0) -> World:
     """Join the process group torchrun describes (if any) and pick this rank's device.
 
     On CUDA each process of a node takes the GPU of its `LOCAL_RANK`; a launch with more
     processes per node than the node has GPUs fails here, in one line naming both counts.
     `replicate`: HSDP's replicate degree (0: one replica per node); it must divide the ranks.
+    `tp`: the tensor-parallel degree of "fsdp+tp" (0: the ranks of a node) and "tp" (0 or
+    every rank); it must divide the ranks.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -70,6 +85,17 @@ def setup(strategy: str = "single", device: str | None = None, *, replicate: int
     elif replicate:
         raise ValueError(f"replicate={replicate} is HSDP's degree; strategy is {strategy!r}")
     replicas = replicate if strategy == "hsdp" else 1
+    if strategy in TP:
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", str(size)))
+        tp = tp or (per_node if strategy == "fsdp+tp" else size)
+        if size % tp or (strategy == "tp" and tp != size):
+            raise ValueError(
+                f"strategy='{strategy}': tp={tp} does not "
+                + (f"divide the {size} ranks; pick a divisor of {size} (dp x tp = ranks)" if size % tp else
+                   f"cover the {size} ranks; 'tp' runs tensor parallelism over every rank (use 'fsdp+tp' for dp x tp)")
+            )
+    elif tp:
+        raise ValueError(f"tp={tp} is tensor parallelism's degree; strategy is {strategy!r}")
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
@@ -92,7 +118,7 @@ def setup(strategy: str = "single", device: str | None = None, *, replicate: int
         dist.init_process_group(
             backend, timeout=datetime.timedelta(minutes=10), device_id=dev if dev.type == "cuda" else None
         )
-    return World(dist.get_rank(), dist.get_world_size(), local_rank, dev, strategy, replicas)
+    return World(dist.get_rank(), dist.get_world_size(), local_rank, dev, strategy, replicas, tp or 1)
 
 
 def _local_gpu(dev: torch.device, local_rank: int) -> torch.device:
@@ -131,8 +157,10 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
 def wrap(model: nn.Module, world: World, *, precision: str = "fp32") -> nn.Module:
     """`model` on `world.device` (cast to bf16 for precision "bf16-true"), wrapped for the
     strategy (DDP, or FSDP2 per block then root, over every rank or, for HSDP, over a
-    (replicate, shard) mesh; FSDP2 on CUDA casts to bf16 for "bf16")."""
-    if precision == "bf16-true" and world.strategy in ("fsdp", "hsdp"):
+    (replicate, shard) mesh; FSDP2 on CUDA casts to bf16 for "bf16"). With tensor
+    parallelism the model's `tp_plan(degree)` is applied over the mesh's "tp" dim first
+    (for "fsdp+tp", FSDP2 then shards over its "dp" dim)."""
+    if precision == "bf16-true" and world.strategy in FSDP:
         raise ValueError(
             f"precision='bf16-true' is not supported with strategy='{world.strategy}'; use precision='bf16'"
         )
@@ -140,7 +168,19 @@ def wrap(model: nn.Module, world: World, *, precision: str = "fp32") -> nn.Modul
     if world.strategy == "ddp":
         ids = [world.device.index] if world.device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=ids)
-    if world.strategy in ("fsdp", "hsdp"):
+    if world.strategy in TP:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        plan = getattr(model, "tp_plan", None)
+        if not callable(plan):
+            raise ValueError(
+                f"strategy='{world.strategy}' needs a model with a tp_plan(degree) method giving its tensor-parallel "
+                f"plan (the built-in GPT has one); {type(model).__name__} has none"
+            )
+        mesh = init_device_mesh(world.device.type, (world.dp_size, world.tp), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], plan(world.tp))
+    if world.strategy in FSDP:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -148,6 +188,8 @@ def wrap(model: nn.Module, world: World, *, precision: str = "fp32") -> nn.Modul
         if world.strategy == "hsdp":
             shape = (world.replicate, world.size // world.replicate)
             kwargs["mesh"] = init_device_mesh(world.device.type, shape, mesh_dim_names=("replicate", "shard"))
+        if world.strategy == "fsdp+tp":
+            kwargs["mesh"] = mesh["dp"]
         if world.device.type == "cuda" and precision in ("bf16", "bf16-mixed"):
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in blocks_of(model):

@@ -33,22 +33,29 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
+    """Causal self-attention with rotary positions. q, k and v are projections of their own
+    (torchtitan's layout): tensor parallelism splits each by heads (column-wise), `proj` by
+    its input (row-wise), and Muon and QK-clip see W_q and W_k as the matrices they are."""
+
     def __init__(self, dim: int, n_heads: int) -> None:
         super().__init__()
-        self.n_heads = n_heads
-        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.n_heads, self.head_dim = n_heads, dim // n_heads
+        self.q = nn.Linear(dim, dim, bias=False)
+        self.k = nn.Linear(dim, dim, bias=False)
+        self.v = nn.Linear(dim, dim, bias=False)
         self.proj = nn.Linear(dim, dim, bias=False)
         self.track_max_logits = False  # QK-clip: record each head's max pre-softmax logit
         self.max_logits: Tensor | None = None  # (heads,), the max over the forwards since the last take
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, C // self.n_heads).permute(2, 0, 3, 1, 4)
+        B, T, _ = x.shape
+        # (B, H, T, D); H is this rank's heads under tensor parallelism (the projections' local columns)
+        q, k, v = (w(x).view(B, T, -1, self.head_dim).transpose(1, 2) for w in (self.q, self.k, self.v))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.track_max_logits:
             self._record_max_logits(q, k)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
     @torch.no_grad()
     def _record_max_logits(self, q: Tensor, k: Tensor) -> None:
@@ -64,12 +71,12 @@ class Attention(nn.Module):
 class SwiGLU(nn.Module):
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
-        self.gate_up = nn.Linear(dim, 2 * hidden, bias=False)
+        self.gate = nn.Linear(dim, hidden, bias=False)
+        self.up = nn.Linear(dim, hidden, bias=False)
         self.down = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
 class Block(nn.Module):
@@ -133,18 +140,37 @@ class GPT(nn.Module):
         return self.lm_head(self.norm(x))
 
     def qk_heads(self) -> dict[str, ps.QKHeads]:
-        """Where each block's W_q and W_k are in its fused `qkv` weight, for `ps.qk_clip`."""
-        d = self.dim
+        """Each block's W_q and W_k, for `ps.qk_clip`."""
         return {
             f"blocks.{i}.attn": ps.QKHeads(
-                q=f"blocks.{i}.attn.qkv.weight",
-                k=f"blocks.{i}.attn.qkv.weight",
+                q=f"blocks.{i}.attn.q.weight",
+                k=f"blocks.{i}.attn.k.weight",
                 heads=cast(Attention, cast(Block, b).attn).n_heads,
-                q_rows=(0, d),
-                k_rows=(d, 2 * d),
             )
             for i, b in enumerate(self.blocks)
         }
+
+    def tp_plan(self, degree: int) -> dict[str, Any]:
+        """torchtitan's tensor-parallel plan for the blocks, over `degree` ranks: q, k, v and
+        the MLP's gate and up split column-wise (by heads, by hidden units), `proj` and `down`
+        row-wise (their outputs summed over the ranks); embeddings, norms and the head stay
+        whole. For `parallelize_module(model, tp_mesh, plan)`."""
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        block = cast(Block, self.blocks[0])
+        heads, hidden = cast(Attention, block.attn).n_heads, cast(SwiGLU, block.mlp).down.in_features
+        if heads % degree or hidden % degree:
+            raise ValueError(
+                f"tensor parallelism over {degree} ranks splits model.n_heads={heads} heads and the MLP's "
+                f"{hidden} hidden units: pick a degree that divides both"
+            )
+        plan: dict[str, Any] = {}
+        for i in range(self.n_layers):
+            for name in ("attn.q", "attn.k", "attn.v", "mlp.gate", "mlp.up"):
+                plan[f"blocks.{i}.{name}"] = ColwiseParallel()
+            for name in ("attn.proj", "mlp.down"):
+                plan[f"blocks.{i}.{name}"] = RowwiseParallel()
+        return plan
 
     def track_max_logits(self, on: bool = True) -> None:
         """Record each attention head's max pre-softmax logit in every forward (for QK-clip)."""

@@ -95,14 +95,14 @@ class Trainer:
         refuse_ignored(cfg, {"transform": transform, "model": model, "data": data, "ema": ema})
         if loss_fn is None and model is not None:
             raise ValueError("loss_fn: a given model needs its loss_fn(model, batch) -> loss or (loss_sum, tokens)")
-        self.world = D.setup(cfg.strategy, device, replicate=cfg.replicate)
+        self.world = D.setup(cfg.strategy, device, replicate=cfg.replicate, tp=cfg.tp)
         torch.manual_seed(cfg.seed)
         self.loss_fn = loss_fn or lm_loss
         self.data = data if data is not None else build_data(cfg)
         self.eval_data = self.data if eval_data is None and is_step_indexed(self.data) else eval_data
         if cfg.eval_every and self.eval_data is None:
             raise ConfigError("eval_every", "the data has no validation split; pass eval_data= or set eval_every=0")
-        k, w = cfg.grad_accum, self.world.size
+        k, w = cfg.grad_accum, self.world.dp_size
         if is_step_indexed(self.data) and cfg.batch_size % (k * w):
             raise ConfigError("batch_size", f"{cfg.batch_size} rows do not split into {w} rank(s) x {k} micro-batches")
         self.module = D.wrap(
@@ -113,7 +113,7 @@ class Trainer:
         # Detached aliases that a compiled, donated update re-points into its flat buffers
         # together with the module's own parameters (see ps.make_update).
         self._params = ps.functional_model(D.unwrap(self.module))[1]
-        self.fsdp = self.world.strategy in ("fsdp", "hsdp")  # FSDP2-sharded params (HSDP: over a 2-D mesh)
+        self.fsdp = self.world.strategy in D.FSDP  # FSDP2-sharded params (HSDP, FSDP+TP: over a 2-D mesh)
         params = self.params()
         if transform is None:
             transform = cfg.build_optimizer()
@@ -238,10 +238,10 @@ class Trainer:
             return {"event": "skip_rewound_batch"}
         if self.batches is None:  # called before fit(): the data opens at this step
             w = self.world
-            self.batches = train_batches(self.data, self.loop.step, w.rank, w.size, self.config.grad_accum)
+            self.batches = train_batches(self.data, self.loop.step, w.dp_rank, w.dp_size, self.config.grad_accum)
         micro = next(self.batches)
         if not self.rows_checked:
-            self.rows_checked = check_rows(micro, self.world.size, self.config.batch_size)
+            self.rows_checked = check_rows(micro, self.world.dp_size, self.config.batch_size)
         loss_sum, tokens = [], []
         for i, batch in enumerate(micro):
             with self._sync(i == len(micro) - 1), self._autocast():
@@ -250,6 +250,8 @@ class Trainer:
             loss_sum.append(ls.detach().double())
             tokens.append(n.double())
         total = D.all_reduce_sum(torch.stack([cast(Tensor, sum(loss_sum)), cast(Tensor, sum(tokens))]), self.world)
+        if self.world.tp > 1:  # the ranks of a TP group computed the same rows: count them once
+            total = total / self.world.tp
         n = total[1].clamp(min=1.0)
         loss = total[0] / n
         grads = {k: p.grad if p.grad is not None else torch.zeros_like(p) for k, p in self.named.items()}
@@ -258,8 +260,8 @@ class Trainer:
         if self.config.spike_factor and self._spiked(float(loss)):
             record["event"] = "skip_spike"
         else:
-            # DDP and FSDP2 average grads over ranks; this makes them the per-token mean.
-            torch._foreach_mul_([D.local(g) for g in grads.values()], (self.world.size / n).float())
+            # DDP and FSDP2 average grads over the data-parallel ranks; this makes them the per-token mean.
+            torch._foreach_mul_([D.local(g) for g in grads.values()], (self.world.dp_size / n).float())
             if self.config.time_budget:
                 for clock in self._clocks():
                     clock.fill_(int(self._progress() * self.config.steps))
@@ -314,7 +316,7 @@ class Trainer:
         w = self.world
         self.model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=w.device)
-        for batch in eval_batches(self.eval_data, batches or self.config.eval_batches, w.rank, w.size):
+        for batch in eval_batches(self.eval_data, batches or self.config.eval_batches, w.dp_rank, w.dp_size):
             with self._autocast():
                 ls, n = self._loss(self._inputs(batch))
             total += torch.stack([ls.double(), n.double()])
@@ -414,7 +416,7 @@ class Trainer:
         start = max(
             [self.loop.step] + [b for a, b in self.loop.skip if a <= self.loop.step]
         )  # batches the source gave out
-        self.batches = train_batches(self.data, start, w.rank, w.size, k)
+        self.batches = train_batches(self.data, start, w.dp_rank, w.dp_size, k)
         self.model.train()
         try:
             self._loop()

@@ -19,8 +19,9 @@ The model is `purestep.api.models.GPT` (dim 128, 24 blocks: 5.2M params in 147 t
   step time against that one process.
 - `collectives`: collectives per step of the compiled clip + AdamW + apply_if_finite step and
   of Muon, at 24 and 6 blocks (they must not grow with the tensor count).
-- `tp`: FSDP2 beside tensor parallelism on a (dp 2, tp 2) mesh: each block's `attn.proj` and
-  `mlp.down` row-parallel over `mesh["tp"]`, then `fully_shard` over `mesh["dp"]` (params on
+- `tp`: FSDP2 beside tensor parallelism on a (dp 2, tp 2) mesh: the GPT's `tp_plan` (each
+  block's q, k, v, gate and up column-parallel, `attn.proj` and `mlp.down` row-parallel) over
+  `mesh["tp"]`, then `fully_shard` over `mesh["dp"]` (params on
   two meshes). purestep's step runs on whole DTensors there (the per-leaf DTensor path):
   clip + AdamW + apply_if_finite, and AdamW alone against `AdamW(fused=True)` (torch's own
   `clip_grad_norm_` refuses the mixed meshes), with the equality check of AdamW alone.
@@ -179,14 +180,12 @@ def part_muon(mesh, args) -> list[str]:
 def build_tp(n_layers: int = 24, dim: int = 128) -> torch.nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
     model = GPT(dim=dim, n_layers=n_layers, n_heads=4, seq_len=64)
-    plan = {f"blocks.{i}.{m}": RowwiseParallel(input_layouts=Replicate()) for i in range(n_layers) for m in ("attn.proj", "mlp.down")}
-    parallelize_module(model, mesh["tp"], plan)
+    parallelize_module(model, mesh["tp"], model.tp_plan(2))  # torchtitan's plan: q, k, v, gate, up colwise; proj, down rowwise
     for block in model.blocks:
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])

@@ -413,7 +413,7 @@ def global_norm(xs: list[Tensor]) -> Tensor:
     if not xs:
         return torch.zeros((), dtype=torch.float32)
     acc = torch.float64 if any(x.dtype == torch.float64 for x in xs) else torch.float32
-    if type(xs[0]) in _PLAIN or _one_mesh(xs):
+    if all(type(x) in _PLAIN for x in xs) or _one_mesh(xs):
         return torch.linalg.vector_norm(torch.stack([n.to(acc) for n in norms(xs)]))
     # DTensors of several meshes (or beside plain tensors): Σx² per leaf is a partial sum that
     # adds within a mesh (a norm's partial placement does not), one collective per mesh.

@@ -86,7 +86,7 @@ def test_inspect_prints_the_tensor_table(demo_run, capsys):
     assert run("inspect", str(ckpt)) == 0
     out = capsys.readouterr().out
     assert "step       4" in out and "sha256 ok" in out
-    assert "params/blocks.0.attn.qkv.weight" in out and "[96, 32]" in out and "F32" in out
+    assert "params/blocks.0.attn.q.weight" in out and "[32, 32]" in out and "F32" in out
     (ckpt / "ema.safetensors").write_bytes(b"broken")
     assert run("inspect", str(ckpt)) == 1
     assert "DAMAGED" in capsys.readouterr().out

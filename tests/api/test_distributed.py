@@ -102,6 +102,62 @@ def test_hsdp_on_four_ranks_matches_one_process_and_resumes_on_fsdp_and_on_one_p
         torch.testing.assert_close(on_fsdp.params[k], p.detach(), rtol=1e-3, atol=1e-5)
 
 
+def test_tensor_parallel_on_four_ranks_matches_one_process_and_resumes_across_meshes(tmp_path, same_device_as_the_ranks):
+    """strategy="fsdp+tp" on a (dp 2, tp 2) mesh: the GPT's torchtitan plan splits q, k, v, gate
+    and up by columns (heads, hidden units) and proj and down by rows over each TP pair, FSDP2
+    shards over the pairs, each pair reads its own rows of the batch. Equal to one process (a
+    NaN step skipped by every rank); its checkpoint resumes under TP alone on 2 ranks and in one
+    plain process."""
+    out = torchrun(str(tmp_path / "fsdp_tp"), "fsdp+tp", "8", "--nan-at", "5", "--set", "tp=2", nproc=4)
+    assert out.stderr.count("step 6: skip_nonfinite") == 4, out.stderr[-3000:]
+    assert "path per-leaf DTensor" in out.stdout, out.stdout  # whole DTensors (the sharded path takes Shard(0) only)
+    ref = trainer(tmp_path / "single", "steps=8", nan_at=5)
+    ref.fit()
+    saved = load_checkpoint(tmp_path / "fsdp_tp" / "checkpoints" / "step_00000008")
+    assert saved.manifest.layout == "dcp" and saved.manifest.world_size == 4
+    for k, p in ref.named.items():
+        torch.testing.assert_close(saved.params[k], p.detach(), rtol=1e-3, atol=1e-5)
+    logged = [json.loads(line) for line in (tmp_path / "fsdp_tp" / "metrics.jsonl").read_text().splitlines()]
+    ref_logged = [json.loads(line) for line in (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()]
+    losses = lambda rows: [r["loss"] for r in rows if "loss" in r]  # noqa: E731
+    assert losses(logged) == pytest.approx(losses(ref_logged), rel=1e-4)
+    # each row counted once, not once per TP rank
+    assert saved.manifest.metadata["trainer"]["tokens"] == load_checkpoint(
+        tmp_path / "single" / "checkpoints" / "step_00000008").manifest.metadata["trainer"]["tokens"] > 0
+    shutil.copytree(tmp_path / "fsdp_tp", tmp_path / "tp")
+    torchrun(str(tmp_path / "tp"), "tp", "12", "--resume", "--nan-at", "5", nproc=2)
+    resumed = trainer(tmp_path / "fsdp_tp", "steps=12", nan_at=5)  # one plain process
+    resumed.fit(resume=True)
+    ref = trainer(tmp_path / "single", "steps=12", nan_at=5)
+    ref.fit(resume=True)
+    on_tp = load_checkpoint(tmp_path / "tp" / "checkpoints" / "step_00000012")
+    assert on_tp.manifest.world_size == 2
+    for k, p in ref.named.items():
+        torch.testing.assert_close(resumed.named[k], p, rtol=1e-3, atol=1e-5)
+        torch.testing.assert_close(on_tp.params[k], p.detach(), rtol=1e-3, atol=1e-5)
+
+
+def test_tensor_parallel_degrees_and_options_that_do_not_fit_fail_in_one_line(monkeypatch):
+    from purestep.api import ConfigError, TrainConfig, apply_overrides
+    from purestep.api import distributed as D
+    from purestep.api.models import GPT
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="tp=3 does not divide the 4 ranks"):
+        D.setup("fsdp+tp", "cpu", tp=3)
+    with pytest.raises(ValueError, match="'tp' runs tensor parallelism over every rank"):
+        D.setup("tp", "cpu", tp=2)
+    with pytest.raises(ValueError, match="tp=2 is tensor parallelism's degree"):
+        D.setup("fsdp", "cpu", tp=2)
+    with pytest.raises(ValueError, match="model.n_heads=4 heads"):
+        GPT(dim=32, n_heads=4, n_layers=1).tp_plan(3)
+    for overrides, field in ((["strategy=fsdp", "tp=2"], "tp"), (["strategy=tp", "optimizer.qk_clip=50"], "optimizer.qk_clip"),
+                             (["strategy=fsdp+tp", "precision=bf16-true"], "precision")):
+        with pytest.raises(ConfigError) as e:
+            apply_overrides(TrainConfig(), overrides)
+        assert e.value.field == field
+
+
 def test_hsdp_degrees_that_do_not_divide_the_ranks_fail_in_one_line(monkeypatch):
     from purestep.api import ConfigError, TrainConfig, apply_overrides
     from purestep.api import distributed as D

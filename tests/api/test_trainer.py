@@ -526,7 +526,7 @@ def _head_max_logits(model, batch) -> torch.Tensor:
         h = block.attn_norm(x)
         B, T, C = h.shape
         H = block.attn.n_heads
-        q, k, _ = block.attn.qkv(h).view(B, T, 3, H, C // H).permute(2, 0, 3, 1, 4)
+        q, k = (w(h).view(B, T, H, C // H).transpose(1, 2) for w in (block.attn.q, block.attn.k))
         from purestep.api.models import apply_rope
 
         q, k = apply_rope(q, model.rope_cos, model.rope_sin), apply_rope(k, model.rope_cos, model.rope_sin)

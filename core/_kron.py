@@ -77,6 +77,8 @@ def update_probability(
         check_hyperparam(name, value)
         if not 0.0 <= value <= 1.0:
             raise ValueError(f"{name} must be in [0, 1], got {value}")
+    if min_prob > max_prob:
+        raise ValueError(f"min_prob={min_prob} must be at most max_prob={max_prob}")
     check_nonnegative("decay", decay)
     check_int("flat_start", flat_start, 0)
 
@@ -280,10 +282,14 @@ def scale_by_kron(
         out_ = _as_is if _plain(refit) else _fresh
         gs, wide, mus = lp.load_moments(grads, state.mu, params)
         spec = pytree.tree_structure(grads)
-        q_leaves = pytree.tree_leaves(state.q, is_leaf=lambda x: isinstance(x, tuple))
+        q_leaves = spec.flatten_up_to(state.q)  # a tuple of factors per leaf (the params' own tuples are not leaves)
         new_mus = ls.ema(mus, wide, beta1)  # m ← β₁·m + (1-β₁)·g
         outs, new_qs = [], []
         for n, (g, gw, mu, qs) in enumerate(zip(gs, wide, new_mus, q_leaves)):
+            if g.numel() == 0:  # nothing to precondition (and no factor to refit)
+                new_qs.append(qs)
+                outs.append(torch.zeros_like(g))
+                continue
             cd = qs[0].dtype
             shape = tuple(g.shape) or (1,)
             m_hat = (_whole(mu) / bc1.to(mu.dtype)).to(cd).reshape(shape)
@@ -306,7 +312,7 @@ def scale_by_kron(
             count + 1,
             state.key,
             lp.store_moments(new_mus, state.mu, keys),
-            pytree.tree_unflatten(new_qs, pytree.tree_structure(state.q, is_leaf=lambda x: isinstance(x, tuple))),
+            pytree.tree_unflatten(new_qs, spec),
         )
         return pytree.tree_unflatten(outs, spec), new_state
 

@@ -245,8 +245,8 @@ def scale_by_soap(
             wide,
             mu_in,
             nu_in,
-            pytree.tree_leaves(state.gg, is_leaf=lambda x: isinstance(x, tuple)),
-            pytree.tree_leaves(state.q, is_leaf=lambda x: isinstance(x, tuple)),
+            pytree.tree_structure(grads).flatten_up_to(state.gg),  # a tuple per leaf (the params' own tuples are not leaves)
+            pytree.tree_structure(grads).flatten_up_to(state.q),
         )
         for g, g_wide, mu, nu, gg, q in pairs:
             shape = shape_of(g)

@@ -231,3 +231,20 @@ def test_kron_bf16_momentum_is_stored_narrow():
 def test_kron_invalid_arguments_raise_naming_the_argument(make, arg):
     with pytest.raises(ValueError, match=arg):
         make()
+
+
+def test_kron_and_soap_take_params_in_tuples_and_empty_leaves():
+    params = (torch.randn(3, 2, dtype=torch.float64), {"blk": (torch.randn(4, dtype=torch.float64), torch.zeros(0, 3, dtype=torch.float64))})
+    grads = [ps.tree_map(torch.randn_like, params) for _ in range(3)]
+    as_dict = lambda t: {"a": t[0], "b": t[1]["blk"][0], "e": t[1]["blk"][1]}  # noqa: E731
+    for make in (lambda: ps.kron(1e-2), lambda: ps.soap(1e-2, precondition_frequency=2)):
+        ours, _ = run_purestep(make(), params, grads)  # the params' own tuples are containers, not factor tuples
+        flat, _ = run_purestep(make(), as_dict(params), [as_dict(g) for g in grads])
+        for k, v in as_dict(ours[-1]).items():
+            torch.testing.assert_close(v, flat[-1][k], rtol=0, atol=0, msg=k)
+        assert as_dict(ours[-1])["e"].shape == (0, 3)
+
+
+def test_kron_update_probability_refuses_a_floor_above_its_ceiling():
+    with pytest.raises(ValueError, match="min_prob=0.5 must be at most max_prob=0.1"):
+        ps.kron_update_probability(max_prob=0.1, min_prob=0.5)

@@ -108,10 +108,10 @@ def test_tensor_parallel_on_four_ranks_matches_one_process_and_resumes_across_me
     shards over the pairs, each pair reads its own rows of the batch. Equal to one process (a
     NaN step skipped by every rank); its checkpoint resumes under TP alone on 2 ranks and in one
     plain process."""
-    out = torchrun(str(tmp_path / "fsdp_tp"), "fsdp+tp", "8", "--nan-at", "5", "--set", "tp=2", nproc=4)
+    out = torchrun(str(tmp_path / "fsdp_tp"), "fsdp+tp", "8", "--nan-at", "5", "--set", "tp=2", "--set", "eval_every=4", nproc=4)
     assert out.stderr.count("step 6: skip_nonfinite") == 4, out.stderr[-3000:]
     assert "path per-leaf DTensor" in out.stdout, out.stdout  # whole DTensors (the sharded path takes Shard(0) only)
-    ref = trainer(tmp_path / "single", "steps=8", nan_at=5)
+    ref = trainer(tmp_path / "single", "steps=8", "eval_every=4", nan_at=5)
     ref.fit()
     saved = load_checkpoint(tmp_path / "fsdp_tp" / "checkpoints" / "step_00000008")
     assert saved.manifest.layout == "dcp" and saved.manifest.world_size == 4
@@ -121,6 +121,8 @@ def test_tensor_parallel_on_four_ranks_matches_one_process_and_resumes_across_me
     ref_logged = [json.loads(line) for line in (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()]
     losses = lambda rows: [r["loss"] for r in rows if "loss" in r]  # noqa: E731
     assert losses(logged) == pytest.approx(losses(ref_logged), rel=1e-4)
+    val = lambda rows: [r["val_loss"] for r in rows if "val_loss" in r]  # noqa: E731
+    assert len(val(logged)) == 2 and val(logged) == pytest.approx(val(ref_logged), rel=1e-4)  # evaluation under TP
     # each row counted once, not once per TP rank
     assert saved.manifest.metadata["trainer"]["tokens"] == load_checkpoint(
         tmp_path / "single" / "checkpoints" / "step_00000008").manifest.metadata["trainer"]["tokens"] > 0

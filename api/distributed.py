@@ -91,8 +91,11 @@ def setup(strategy: str = "single", device: str | None = None, *, replicate: int
         if size % tp or (strategy == "tp" and tp != size):
             raise ValueError(
                 f"strategy='{strategy}': tp={tp} does not "
-                + (f"divide the {size} ranks; pick a divisor of {size} (dp x tp = ranks)" if size % tp else
-                   f"cover the {size} ranks; 'tp' runs tensor parallelism over every rank (use 'fsdp+tp' for dp x tp)")
+                + (
+                    f"divide the {size} ranks; pick a divisor of {size} (dp x tp = ranks)"
+                    if size % tp
+                    else f"cover the {size} ranks; 'tp' runs tensor parallelism over every rank (use 'fsdp+tp' for dp x tp)"
+                )
             )
     elif tp:
         raise ValueError(f"tp={tp} is tensor parallelism's degree; strategy is {strategy!r}")

@@ -188,12 +188,12 @@ def _precondition(g: Tensor, qs: list[Tensor]) -> Tensor:
     return g
 
 
-def _whole(x: Tensor) -> Tensor:
+def _whole(x: Any) -> Tensor:
     """A DTensor gathered whole on every rank (the refit is math over whole matrices), else x."""
     return x.full_tensor() if is_dtensor(x) else x
 
 
-def _placed_like(u: Tensor, x: Tensor) -> Tensor:
+def _placed_like(u: Tensor, x: Any) -> Tensor:
     """`u`, computed whole on every rank, with `x`'s placements when `x` is a DTensor (no collective)."""
     if not is_dtensor(x):
         return u
@@ -264,9 +264,10 @@ def scale_by_kron(
         shape = tuple(p.shape) or (1,)
         scale = precond_init_scale ** (1.0 / len(shape))
         diag = _diagonals(shape, max_size_triangular, min_ndim_triangular, memory_save_mode)
-        kw = dict(dtype=dtype_of(p), device=p.device)
+        dtype, device = dtype_of(p), p.device
         return tuple(
-            scale * (torch.ones(d, **kw) if is_diag else torch.eye(d, **kw)) for d, is_diag in zip(shape, diag)
+            scale * (torch.ones(d, dtype=dtype, device=device) if is_diag else torch.eye(d, dtype=dtype, device=device))
+            for d, is_diag in zip(shape, diag)
         )
 
     def init(params: Params) -> ScaleByKronState:
@@ -316,7 +317,9 @@ def scale_by_kron(
         )
         return pytree.tree_unflatten(outs, spec), new_state
 
-    why = "PSGD-Kron keeps per-leaf Kronecker factors (one matrix or diagonal per dimension), not shaped like the params"
+    why = (
+        "PSGD-Kron keeps per-leaf Kronecker factors (one matrix or diagonal per dimension), not shaped like the params"
+    )
     return with_needs(Transform(init, update), Needs(flat=why))
 
 

@@ -240,13 +240,14 @@ def scale_by_soap(
         # The moments in the compute dtype (float32, or float64 for float64 params), whatever they are stored in.
         gs, wide, mu_in = lp.load_moments(grads, state.mu, params)
         nu_in = lp.load_moments(grads, state.nu, second=True)[2]
+        spec = pytree.tree_structure(grads)
         pairs = zip(
             gs,
             wide,
             mu_in,
             nu_in,
-            pytree.tree_structure(grads).flatten_up_to(state.gg),  # a tuple per leaf (the params' own tuples are not leaves)
-            pytree.tree_structure(grads).flatten_up_to(state.q),
+            spec.flatten_up_to(state.gg),  # a tuple per leaf (the params' own tuples are not leaves)
+            spec.flatten_up_to(state.q),
         )
         for g, g_wide, mu, nu, gg, q in pairs:
             shape = shape_of(g)
@@ -297,7 +298,6 @@ def scale_by_soap(
             outs.append(out[0].reshape(g.shape).to(g.dtype))
             mus.append(out[1].reshape(mu.shape))
             nus.append(out[2].reshape(nu.shape))
-        spec = pytree.tree_structure(grads)
         unflat = lambda xs: pytree.tree_unflatten(xs, spec)  # noqa: E731
         keys = lp.moment_keys(count, rounding, state.mu, state.nu)
         mu_out = lp.store_moments(mus, state.mu, keys)

@@ -218,7 +218,12 @@ class ShardInfo:
         return out
 
     def _split_owner_computes(
-        self, leaves: list[int], blocks: dict[int, Tensor], lead: dict[int, int], extra_of: dict[int, Any], run: Callable
+        self,
+        leaves: list[int],
+        blocks: dict[int, Tensor],
+        lead: dict[int, int],
+        extra_of: dict[int, Any],
+        run: Callable,
     ) -> dict[int, Tensor]:
         """Owner-computes over units: a leaf whose `extra` is its blocks' row sizes (Muon's
         `split`) is one unit per block, each its own matrix at its own owner; any other leaf
@@ -250,7 +255,9 @@ class ShardInfo:
             out.setdefault(u[0] if isinstance(u, tuple) else u, []).append(done[u])
         return {i: torch.cat(parts) if len(parts) > 1 else parts[0] for i, parts in out.items()}
 
-    def _owner_computes(self, indices: tuple[Unit, ...], blocks: dict[Unit, Tensor], run: Callable) -> dict[Unit, Tensor]:
+    def _owner_computes(
+        self, indices: tuple[Unit, ...], blocks: dict[Unit, Tensor], run: Callable
+    ) -> dict[Unit, Tensor]:
         owner, me, world = self.owners(indices), self.rank, self.world
         mine = [i for i in indices if owner[i] == me]
         dtype = blocks[indices[0]].dtype

@@ -233,6 +233,13 @@ def all_reduce_sum(t: Tensor, world: World) -> Tensor:
     return t
 
 
+def sum_over_rows(t: Tensor, world: World) -> Tensor:
+    """`t`, a sum over this rank's batch rows, summed over every row of the global batch: over
+    the ranks, each TP group's copy counted once (its ranks computed the same rows)."""
+    total = all_reduce_sum(t, world)
+    return total / world.tp if world.tp > 1 else total
+
+
 def all_reduce_max(t: Tensor, world: World) -> Tensor:
     """`t`'s elementwise max over ranks (in place; returned)."""
     if world.size > 1:

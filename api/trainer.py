@@ -1,19 +1,19 @@
-"""The Trainer: a plain loop over `ps.make_update`, run on one process, DDP or FSDP2.
+"""The Trainer: a plain loop over `ps.make_update`, run on one process, DDP, FSDP2/HSDP or TP.
 
 One step, as `Trainer.train_step` spells it out:
 
     for each of grad_accum micro-batches (the data source splits them):
         loss_sum, tokens = loss_fn(model, micro); loss_sum.backward()
-    loss_sum, tokens = all-reduce                      # async: nothing waits for the device
-    grads *= world / tokens                           # the per-token mean over the global batch
+    loss_sum, tokens = all-reduce                      # async; a TP group's rows counted once
+    grads *= data-parallel ranks / tokens             # the per-token mean over the global batch
     params, opt_state, ema = update(params, grads, opt_state, ema)
 
-`update` is `ps.make_update` of the transform wrapped in `ps.apply_if_finite`, so a
-non-finite step is skipped on the device (with precision "bf16-true" the transform ends
-in `ps.compensated_updates()`, so bf16 params do not drift); the lr is the transform's own injected
-schedule; the grad norm is `clip_by_global_norm`'s state. The loss, grad norm, lr and
-skip count are read from the device only when a log line is due. Everything else
-(logging, evaluation, checkpoints, preemption, the time budget) happens between steps.
+`update` is `ps.make_update` of the transform wrapped in `ps.apply_if_finite`, so a non-finite
+step is skipped on the device (with precision "bf16-true" the transform ends in
+`ps.compensated_updates()`, so bf16 params do not drift); the lr is the transform's own injected
+schedule; the grad norm is `clip_by_global_norm`'s state. The loss, grad norm, lr and skip count
+are read from the device only when a log line is due. Everything else (logging, evaluation,
+checkpoints, preemption, the time budget) happens between steps.
 """
 
 from __future__ import annotations
@@ -31,9 +31,8 @@ import purestep.core as ps
 
 from . import _run_dir as run_dir
 from . import distributed as D
-from ._report import Progress, StopSignals, log
+from ._report import Progress, StopSignals, log, read
 from ._build import holds, nodes, qk_clip_for
-from ._report import read
 from .config import TrainConfig, refuse_ignored
 from .errors import CheckpointError, ConfigError, RunDirError
 from .data import batch_rows, build_data, check_rows, eval_batches, is_step_indexed, to_device, train_batches
@@ -41,7 +40,7 @@ from .models import build_model, lm_loss, peak_flops
 
 
 class Trainer:
-    """Train a model as a `TrainConfig` says: one process, DDP or FSDP2 (launched with torchrun).
+    """Train a model as a `TrainConfig` says: one process, DDP, FSDP2/HSDP or TP (under torchrun).
 
     Every field of the config is honoured or refused (see `TrainConfig`). The model, the
     transform and the data are built from the config's sections unless given.
@@ -199,6 +198,10 @@ class Trainer:
             cast(Any, self.module).set_requires_gradient_sync(last)
         return contextlib.nullcontext()
 
+    def _batches(self, start: int) -> Any:
+        """This data-parallel rank's micro-batches from step `start` on (a TP group's ranks read the same)."""
+        return train_batches(self.data, start, self.world.dp_rank, self.world.dp_size, self.config.grad_accum)
+
     def _loss(self, batch: Any) -> tuple[Tensor, Tensor]:
         out = self.loss_fn(self.model, batch)
         if isinstance(out, tuple):
@@ -237,8 +240,7 @@ class Trainer:
             self.loop.step, self.loop.skipped = self.loop.step + 1, self.loop.skipped + 1
             return {"event": "skip_rewound_batch"}
         if self.batches is None:  # called before fit(): the data opens at this step
-            w = self.world
-            self.batches = train_batches(self.data, self.loop.step, w.dp_rank, w.dp_size, self.config.grad_accum)
+            self.batches = self._batches(self.loop.step)
         micro = next(self.batches)
         if not self.rows_checked:
             self.rows_checked = check_rows(micro, self.world.dp_size, self.config.batch_size)
@@ -249,9 +251,7 @@ class Trainer:
             ls.backward()
             loss_sum.append(ls.detach().double())
             tokens.append(n.double())
-        total = D.all_reduce_sum(torch.stack([cast(Tensor, sum(loss_sum)), cast(Tensor, sum(tokens))]), self.world)
-        if self.world.tp > 1:  # the ranks of a TP group computed the same rows: count them once
-            total = total / self.world.tp
+        total = D.sum_over_rows(torch.stack([cast(Tensor, sum(loss_sum)), cast(Tensor, sum(tokens))]), self.world)
         n = total[1].clamp(min=1.0)
         loss = total[0] / n
         grads = {k: p.grad if p.grad is not None else torch.zeros_like(p) for k, p in self.named.items()}
@@ -323,7 +323,7 @@ class Trainer:
         self.model.train()
         if self.qk:  # the eval forwards' max logits drive no clip
             cast(Any, D.unwrap(self.module)).take_max_logits()
-        loss_sum, n = D.all_reduce_sum(total, w).tolist()
+        loss_sum, n = D.sum_over_rows(total, w).tolist()
         if n == 0:
             raise ValueError(
                 "eval_data: the evaluation ran over no batches (an empty source, or a one-shot iterator used up by an "
@@ -409,14 +409,11 @@ class Trainer:
             self.run.release()  # the run directory is this run's until it returns
 
     def _fit(self, resume: bool) -> dict[str, Any]:
-        cfg = self.config
         if not self.run.open(self, resume):
             return dict(self.last, step=self.loop.step)
-        w, k = self.world, cfg.grad_accum
-        start = max(
-            [self.loop.step] + [b for a, b in self.loop.skip if a <= self.loop.step]
-        )  # batches the source gave out
-        self.batches = train_batches(self.data, start, w.dp_rank, w.dp_size, k)
+        # batches the source gave out
+        start = max([self.loop.step] + [b for a, b in self.loop.skip if a <= self.loop.step])
+        self.batches = self._batches(start)
         self.model.train()
         try:
             self._loop()

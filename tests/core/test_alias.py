@@ -28,9 +28,9 @@ def grad_stream(params, steps: int = STEPS, seed: int = 1):
     return [{k: torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in params.items()} for _ in range(steps)]
 
 
-def run_purestep(opt: ps.Transform, params, grads_list):
-    """Params after each step, and the final state."""
-    state = opt.init(params)
+def run_purestep(opt: ps.Transform, params, grads_list, state=None):
+    """Params after each step, and the final state (from `state`, else a fresh one)."""
+    state = opt.init(params) if state is None else state
     history = []
     for grads in grads_list:
         updates, state = opt.update(grads, state, params)

@@ -161,20 +161,11 @@ def test_kron_resumed_from_a_copy_of_its_state_equals_the_uninterrupted_run_and_
     whole, _ = run_purestep(opt, params, grads)
     first, state = run_purestep(opt, params, grads[:10])
     state = copy.deepcopy(state)  # as a checkpoint round trip gives it
-    second, _ = run_purestep_from(opt, first[-1], state, grads[10:])
+    second, _ = run_purestep(opt, first[-1], grads[10:], state)
     for k in params:
         assert torch.equal(whole[-1][k], second[-1][k]), k
     other, _ = run_purestep(ps.kron(1e-2, update_prob=0.5, seed=12), params, grads)
     assert not torch.equal(other[-1]["layers.0.weight"], whole[-1]["layers.0.weight"])
-
-
-def run_purestep_from(opt, params, state, grads_list):
-    history = []
-    for grads in grads_list:
-        updates, state = opt.update(grads, state, params)
-        params = ps.apply_updates(params, updates)
-        history.append(params)
-    return history, state
 
 
 def test_kron_compiled_step_equals_eager_and_does_not_recompile_when_lr_or_refit_changes():

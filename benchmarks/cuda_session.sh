@@ -8,7 +8,12 @@
 #     bash benchmarks/cuda_session.sh 2    # GPT step, Muon, Trainer, adapter
 #     bash benchmarks/cuda_session.sh 3    # low-precision state
 #     bash benchmarks/cuda_session.sh 4    # the test suite on one GPU
+#     bash benchmarks/cuda_session.sh lease  # one call of 9 minutes: the CUDA tests, then 1 and 2 trimmed
 #
+# `lease` is for a session lent 15 device minutes in all (one start plus one full call): the
+# tests that need CUDA first, then parts 1 and 2 with shorter limits and fewer sizes; the
+# results tarball is rewritten after each step, so a call stopped at its limit still returns
+# what finished.
 # Results land in benchmarks/results/ and, as a tarball, in $OUT (what the device tool returns).
 set -u
 part=${1:?which part: 1, 2, 3 or 4}
@@ -20,10 +25,15 @@ export PYTHONPATH=/tmp/pkg:/tmp/site
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
+save() {  # the results so far, as one tarball in $OUT (what the device tool returns)
+    if [ -n "${OUT:-}" ]; then tar czf "$OUT/results-part$part.tgz" benchmarks/results; fi
+}
+
 bench() {  # bench SECONDS SCRIPT ARGS...: one benchmark, its own time limit, never the whole part
     local limit=$1; shift
     echo "== $* (limit ${limit}s)"
     timeout "$limit" python3 "benchmarks/$@" || echo "!! $1 exited with $?"
+    save
 }
 
 case $part in
@@ -44,7 +54,17 @@ case $part in
 4)
     timeout 570 python3 -m pytest -q -n 8 -p no:cacheprovider tests property_tests 2>&1 | tail -60
     ;;
+lease)
+    echo "== the tests that need CUDA (limit 120s)"
+    timeout 120 python3 -m pytest -q -n 4 -p no:cacheprovider -k "cuda or Cuda or CUDA" \
+        tests/core/test_cuda.py tests/core/test_precision_cuda.py tests/core/test_flat.py \
+        tests/api/test_trainer.py tests/api/test_distributed.py 2>&1 | tail -30
+    bench 150 bench_optimizer.py --no-heavyball --reps 30
+    bench 110 bench_gpt.py
+    bench 80 bench_muon.py --layers 8 --dim 1024 --steps 20 --warmup 3
+    bench 90 bench_trainer.py --reps 5
+    bench 60 bench_adapter.py --device cuda
+    bench 70 bench_folded.py --sizes 10e6,100e6
+    ;;
 esac
-if [ -n "${OUT:-}" ]; then
-    tar czf "$OUT/results-part$part.tgz" benchmarks/results
-fi
+save

@@ -52,13 +52,17 @@ case $part in
     bench 560 bench_lowprec.py
     ;;
 4)
-    timeout 570 python3 -m pytest -q -n 8 -p no:cacheprovider tests property_tests 2>&1 | tail -60
+    # -v into a file in $OUT: each test's outcome is written as it ends, so a run stopped at
+    # its limit still names its failures (a -q run prints them only in the final summary).
+    timeout 570 python3 -m pytest -v -n 14 -p no:cacheprovider tests property_tests > "${OUT:-/tmp}/tests.log" 2>&1
+    grep -E " (FAILED|ERROR) " "${OUT:-/tmp}/tests.log" | head -80; tail -5 "${OUT:-/tmp}/tests.log"
     ;;
 lease)
     echo "== the tests that need CUDA (limit 120s)"
     timeout 120 python3 -m pytest -q -n 4 -p no:cacheprovider -k "cuda or Cuda or CUDA" \
         tests/core/test_cuda.py tests/core/test_precision_cuda.py tests/core/test_flat.py \
-        tests/api/test_trainer.py tests/api/test_distributed.py 2>&1 | tail -30
+        tests/api/test_trainer.py tests/api/test_distributed.py > "${OUT:-/tmp}/cuda-tests.log" 2>&1
+    grep -E "^(FAILED|ERROR)|^E  " "${OUT:-/tmp}/cuda-tests.log" | head -60; tail -3 "${OUT:-/tmp}/cuda-tests.log"
     bench 150 bench_optimizer.py --no-heavyball --reps 30
     bench 110 bench_gpt.py
     bench 80 bench_muon.py --layers 8 --dim 1024 --steps 20 --warmup 3

@@ -249,7 +249,10 @@ def add_scalar_(xs: list[Tensor], s: Scalar) -> list[Tensor]:
     """x + s, reusing the storage of `xs` where it can: call only on a list you created."""
     s = _coef(s, xs)
     if _owned_inplace(xs) and use_foreach(xs, s):
-        torch._foreach_add_(xs, s)
+        if isinstance(s, Tensor):  # `alpha` picks the overload that takes a tensor; without it,
+            torch._foreach_add_(xs, s, alpha=1)  # Python binds the one taking a number: s.item(), a sync
+        else:
+            torch._foreach_add_(xs, s)
         return xs
     return add_scalar(xs, s)
 
@@ -292,7 +295,7 @@ def add_scalar(xs: list[Tensor], s: Scalar) -> list[Tensor]:
     # guard (torch 2.13), so a changed eps would recompile: add it per leaf there instead.
     tensor_in_graph = isinstance(s, Tensor) and torch.compiler.is_compiling()
     if use_foreach(xs, s) and not tensor_in_graph:
-        return list(torch._foreach_add(xs, s))
+        return list(torch._foreach_add(xs, s, alpha=1) if isinstance(s, Tensor) else torch._foreach_add(xs, s))
     return [x + s for x in xs]
 
 

@@ -116,7 +116,7 @@ def check_transform(
     Over hypothesis-drawn params trees (ranks 0-4, float32/float64/bfloat16) and
     1..`steps` grads trees (normal, all-zero, huge, tiny, mixed magnitudes) it checks:
     "purity" (init/update mutate no input), "state_stability" (state structure, shapes,
-    dtypes and devices as at init; every leaf a tensor), "update_structure" (updates
+    dtypes and devices as at init; every leaf a tensor, on the params' device), "update_structure" (updates
     shaped and typed like the params), "finite_outputs" (finite updates and state for
     finite inputs), "determinism" (a fresh instance gives bitwise-equal updates and
     states), "replay" (the same instance, run again from init and each step again from

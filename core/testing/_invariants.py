@@ -153,12 +153,19 @@ def trajectory(
         raise InvariantError("purity", f"init mutated its params input at leaf '{where}'")
     init_spec = ps.tree_flatten_with_path(state)
     if "state_stability" in checks:
+        devices = {x.device for x in ps.tree_leaves(p0) if isinstance(x, Tensor)}
         for path, leaf in init_spec[0]:
             if not isinstance(leaf, Tensor):
                 raise InvariantError(
                     "state_stability",
                     f"init state leaf '{path}' is {type(leaf).__name__} {leaf!r}, not a tensor "
                     "(a Python number in state is baked into a compiled step and is not checkpointed)",
+                )
+            if len(devices) == 1 and leaf.device not in devices:
+                raise InvariantError(
+                    "state_stability",
+                    f"init state leaf '{path}' is on {leaf.device} but the params are on {next(iter(devices))} "
+                    "(the devices mix silently: every step copies it, and on CUDA reads it with a host sync)",
                 )
     updates_seq, states, params_seq = [], [], []
     for k, (g, extra) in enumerate(zip(grads, ex.extras)):

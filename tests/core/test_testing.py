@@ -104,6 +104,17 @@ def test_kit_catches_a_python_number_in_state():
     _fails("state_stability", lambda: kit.check_transform(lambda: sign_momentum(bug="python_count"), **FAST))
 
 
+def test_kit_catches_state_on_another_device_than_the_params():
+    # "meta" stands in for the CPU beside CUDA params (tests/core/test_cuda.py has the real pair):
+    # the check fires at init, before any update would touch the state.
+    def elsewhere(**hp):
+        t = sign_momentum(**hp)
+        return ps.Transform(lambda p: t.init(p)._replace(count=torch.zeros((), dtype=torch.int64, device="meta")), t.update)
+
+    message = _fails("state_stability", lambda: kit.check_transform(elsewhere, **FAST))
+    assert "init state leaf 'count' is on meta but the params are on cpu" in message
+
+
 def test_kit_catches_nan_on_zero_grads_with_a_minimal_example():
     message = _fails("finite_outputs", lambda: kit.check_transform(lambda: sign_momentum(bug="nan_on_zero"), **FAST))
     assert "all-zero grads" in message

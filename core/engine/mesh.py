@@ -86,22 +86,55 @@ class ShardInfo:
     the dry runs on stand-ins then reduce locally and communicate nothing."""
 
     def __init__(
-        self, group: Any, world: int, rank: int, slices: list[_Slice], replicas: tuple[Any, int, int] | None = None
+        self,
+        group: Any,
+        world: int,
+        rank: int,
+        slices: list[_Slice],
+        replicas: tuple[Any, int, int] | None = None,
+        copies: tuple[list[tuple[int, ...]], tuple[int, ...]] | None = None,
     ) -> None:
         self.group, self.world, self.rank = group, world, rank
         self.slices = slices  # by leaf index (flatten order of the params)
         # HSDP: (the group of this rank's replicas, their number, this rank's index among them)
         self.replica_group: Any
         self.replica_group, self.replicas, self.replica = replicas if replicas is not None else (None, 1, 0)
+        # Blocks (TP, FSDP beside TP; see `_blocks_info`): `(per leaf, the root mesh dims along
+        # which the ranks hold copies of one block; this rank's coordinate on the root mesh)`,
+        # and this rank weighs 1 in a reduction where it holds the copy at coordinate 0 of
+        # each such dim. Rows (FSDP2, HSDP): None; a replicated leaf weighs 1 on rank 0.
+        self.copies = copies[0] if copies is not None else None
+        if copies is None:
+            self.weights = [1.0 if s.sharded or rank == 0 else 0.0 for s in slices]
+        else:
+            self.weights = [1.0 if all(copies[1][d] == 0 for d in c) else 0.0 for c in copies[0]]
         self.active = False
         self._owners: dict[tuple[int, ...], tuple[dict[int, int], dict[int, int]]] = {}
+
+    @property
+    def blocks(self) -> bool:
+        """Whether leaves lie in blocks other than FSDP2's row blocks (TP): owner-computes is off."""
+        return self.copies is not None
+
+    def tags(self, index: int) -> tuple:
+        """What keeps leaf `index` apart in the layout, the same on every rank: leaves of one
+        buffer share their weight in every reduction."""
+        return (("sharded", self.slices[index].sharded),) if self.copies is None else (("copies", self.copies[index]),)
+
+    def declines(self, reductions: set[str], per_row_state: bool) -> str | None:
+        """Why a transform cannot run on these blocks, or None. Whole-matrix math (Muon's
+        owner-computes, NorMuon's per-row statistics) assembles row blocks: TP's column
+        blocks and FSDP's strided rows on top of TP are not assembled here."""
+        if self.blocks and ("map_matrices" in reductions or per_row_state):
+            return "whole-matrix math (owner-computes) over tensor-parallel blocks is not built: whole DTensors run it"
+        return None
 
     # -- shapes and weights -----------------------------------------------------
     def full_shape(self, member: Any) -> torch.Size:
         return self.slices[member.index].shape
 
     def _weight(self, index: int) -> float:
-        return 1.0 if self.slices[index].sharded or self.rank == 0 else 0.0
+        return self.weights[index]
 
     def group_weights(self, spec: PackSpec) -> list[float]:
         """Per group: 1, or for a group of replicated leaves 1 on rank 0 and 0 elsewhere, so
@@ -180,6 +213,8 @@ class ShardInfo:
         """`ops.map_matrices` over shards: owner-computes (see the module docstring);
         `batch`: the leading batch dims of each group's leaves; `extra`: a value per group
         handed to `fn` with each of its leaves (`fn(mats, lead, extras)`), when given."""
+        if self.blocks:
+            raise RuntimeError(self.declines({"map_matrices"}, False))
         blocks: dict[int, Tensor] = {}  # leaf index -> this rank's block
         lead: dict[int, int] = {}  # leaf index -> its batch dims (stacks are unbound here)
         extra_of: dict[int, Any] = {}
@@ -294,6 +329,11 @@ def describe(params: Any) -> str:
         info = shard_info(params)
     except ValueError as e:
         return str(e)
+    if info.blocks:
+        return (
+            f"tensor-parallel blocks over {info.world} ranks: elementwise math on each rank's blocks; reductions "
+            "are one all_reduce over every rank, each block counted once (its copies on other ranks weigh 0)"
+        )
     if info.replicas > 1:
         return (
             f"HSDP, {info.replicas} replicas x {info.world} shards: reductions are one all_reduce within each "
@@ -329,6 +369,18 @@ def _replicas_compute(
 
 
 def shard_info(params: Any) -> ShardInfo:
+    """How `params` lie over the ranks: FSDP2's or HSDP's row blocks (`_rows_info`), else
+    any blocks of DTensors over one root mesh (`_blocks_info`: TP, FSDP beside TP)."""
+    try:
+        return _rows_info(params)
+    except ValueError as rows_error:
+        try:
+            return _blocks_info(params)
+        except ValueError as e:
+            raise ValueError(f"{rows_error}; nor as blocks: {e}") from None
+
+
+def _rows_info(params: Any) -> ShardInfo:
     """How `params` (DTensors of one mesh, or plain tensors: replicated) lie over the ranks.
 
     The shard group is the mesh dim the params are split along (the whole mesh when it is
@@ -364,3 +416,60 @@ def shard_info(params: Any) -> ShardInfo:
         if torch.distributed.get_world_size(other) > 1:
             replicas = (other, torch.distributed.get_world_size(other), torch.distributed.get_rank(other))
     return ShardInfo(group, world, rank, [_slice_of(p, x, world, rank) for p, x in pairs], replicas)
+
+
+def _root(mesh: Any) -> Any:
+    get = getattr(mesh, "_get_root_mesh", None)
+    if get is not None:
+        return get()
+    from torch.distributed.device_mesh import _mesh_resources  # torch < 2.8
+
+    return _mesh_resources.get_root_mesh(mesh)
+
+
+def _blocks_info(params: Any) -> ShardInfo:
+    """Leaves in any blocks over one root mesh (TP's `Shard(d)`, FSDP's `_StridedShard` on top
+    of TP, submeshes of it, plain tensors: replicated): elementwise math is local whatever
+    the blocks; a reduction sums local partials over every rank of the root mesh, each
+    block counted once. A leaf's copies lie along the root dims it is not split on (its
+    `Replicate` dims and the root dims its submesh leaves out): the rank at coordinate 0 of
+    those weighs 1, the others 0."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    pairs, _ = tr.tree_flatten_with_path(params)
+    dtensors = [(p, x) for p, x in pairs if is_dtensor(x)]
+    roots = {id(_root(x.device_mesh)): _root(x.device_mesh) for _, x in dtensors}
+    if len(roots) != 1:
+        raise ValueError(f"the params' DTensors live under {len(roots)} root device meshes; one is needed")
+    root = next(iter(roots.values()))
+    world = torch.distributed.get_world_size()
+    if root.mesh.numel() != world:
+        raise ValueError(f"the params' root mesh holds {root.mesh.numel()} of the world's {world} ranks")
+    names = root.mesh_dim_names
+    all_dims = tuple(range(root.ndim))
+    copies: list[tuple[int, ...]] = []
+    slices: list[_Slice] = []
+    for path, x in pairs:
+        if not is_dtensor(x):
+            copies.append(all_dims)
+            slices.append(_Slice(x.shape, (0,) * world, (x.shape[0] if x.dim() else 1,) * world, False))
+            continue
+        mesh = x.device_mesh
+        if mesh is root or mesh == root:
+            dims = all_dims
+        elif mesh.mesh_dim_names and names and all(n in names for n in mesh.mesh_dim_names):
+            dims = tuple(names.index(n) for n in mesh.mesh_dim_names)
+        else:
+            raise ValueError(f"param '{path}': its mesh {mesh.mesh_dim_names} is no named slice of the root mesh")
+        split = set()
+        for d, placement in zip(dims, x.placements):
+            if isinstance(placement, Partial):
+                raise ValueError(f"param '{path}' is placed {tuple(x.placements)}: a Partial value is no block")
+            if not isinstance(placement, Replicate):
+                split.add(d)
+        copies.append(tuple(d for d in all_dims if d not in split))
+        slices.append(_Slice(x.shape, (0,) * world, (0,) * world, bool(split)))
+    coordinate = tuple(root.get_coordinate())
+    return ShardInfo(
+        torch.distributed.group.WORLD, world, torch.distributed.get_rank(), slices, copies=(copies, coordinate)
+    )

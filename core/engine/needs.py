@@ -227,6 +227,8 @@ def plan(transform: Any, params: Any, *, tags: list[tuple] | None = None, shard:
         raise NotPacked(res.not_flat)
     if shard is not None and res.not_sharded is not None:
         raise NotPacked(res.not_sharded)
+    if shard is not None and (why := shard.declines(res.reductions, res.per_row_state)) is not None:
+        raise NotPacked(why)
     extra = list(tags) if tags is not None else [() for _ in pairs]
     groups = group_leaves(pairs, [a + b for a, b in zip(extra, res.tags)])
     pack = PackSpec(groups, spec, meta, shard, per_row_state=res.per_row_state, rule_values=res.rule_values)

@@ -40,7 +40,7 @@ from .donate import aliases, move_storage
 from .dtensor import is_dtensor, local, local_tree
 from .flat import FlatUpdate
 from .mesh import describe as describe
-from .mesh import shard_info
+from .mesh import _root, shard_info
 from .needs import plan
 from .packed import NotPacked, Packed, PackSpec
 
@@ -101,7 +101,7 @@ class ShardedUpdate(FlatUpdate):
     def plan_layout(self, params: Any) -> Any:
         info = shard_info(params)
         return plan(
-            self.transform, local_tree(params), tags=[(("sharded", s.sharded),) for s in info.slices], shard=info
+            self.transform, local_tree(params), tags=[info.tags(i) for i in range(len(info.slices))], shard=info
         )
 
     def slack(self, params: Any, group: Any) -> int:
@@ -136,7 +136,7 @@ class ShardedEager:
         key = [id(x) for x in pytree.tree_leaves(params)]
         if self._planned is None or self._planned[0] != key:
             info = shard_info(params)
-            alone = [(("sharded", s.sharded), ("alone", i)) for i, s in enumerate(info.slices)]
+            alone = [(*info.tags(i), ("alone", i)) for i in range(len(info.slices))]
             pack = plan(self.transform, local_tree(params), tags=alone, shard=info)
             with torch.no_grad():  # the state's structure over this layout (its values are the user's)
                 packed = Packed(pack, pytree.tree_leaves(local_tree(params)))
@@ -186,9 +186,9 @@ class ShardedEager:
 def _agree(ok: bool, params: Any, engine: Any) -> bool:
     """Whether every rank can run a sharded path (one collective, at the first call): their
     collectives must match, so a rank that cannot sends all to the per-leaf path."""
-    meshes = [x.device_mesh for x in pytree.tree_leaves(params) if is_dtensor(x)]
+    meshes = [_root(x.device_mesh) for x in pytree.tree_leaves(params) if is_dtensor(x)]
     flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
-    for dim in range(meshes[0].ndim if meshes else 0):  # over every mesh dim in turn: the whole mesh
+    for dim in range(meshes[0].ndim if meshes else 0):  # over every dim of the root mesh in turn: all of it
         group = meshes[0].get_group(dim)
         if torch.distributed.get_world_size(group) > 1:
             torch.distributed.all_reduce(flag, group=group)

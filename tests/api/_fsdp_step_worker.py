@@ -147,9 +147,13 @@ def main_hsdp() -> None:
                 print(f"ok hsdp {name} compile={compile} max_err={worst:.2e}", flush=True)
     for layout in ("fsdp+tp", "tp"):
         for name in TP_CASES:
-            worst, why = run_tp(name, layout)
-            if dist.get_rank() == 0:
-                print(f"ok {layout} {name} max_err={worst:.2e} path={why.split(':')[0]!r} why={why!r}", flush=True)
+            for compile in (False, True) if name in TP_COMPILED else (False,):
+                worst, why = run_tp(name, layout, compile)
+                if dist.get_rank() == 0:
+                    print(
+                        f"ok {layout} {name} compile={compile} max_err={worst:.2e} path={why.split(':')[0]!r} why={why!r}",
+                        flush=True,
+                    )
     dist.barrier()
     dist.destroy_process_group()
     leave(0)
@@ -168,14 +172,16 @@ class MLP(torch.nn.Module):
 
 
 TP_CASES = ("adamw+clip+skip", "muon_adamw", "lamb", "qk_clip", "kron")
+TP_COMPILED = ("adamw+clip+skip",)
 # QK-clip's head rows on TP's colwise (Shard(0)) and rowwise (Shard(1)) weights, on whole DTensors.
 TP_ONLY = {"qk_clip": lambda: ps.chain(ps.adamw(0.02), ps.qk_clip(5.0, {"attn": ps.QKHeads(q="up.weight", k="down.weight", heads=2)}))}
 
 
-def run_tp(name: str, layout: str) -> tuple[float, str]:
+def run_tp(name: str, layout: str, compile: bool = False) -> tuple[float, str]:
     """One case on tensor parallelism: "fsdp+tp" (TP over mesh["tp"], then FSDP2 over mesh["dp"]
     on a (dp 2, tp 2) mesh: params on two meshes) or "tp" (TP alone over every rank: DTensor
-    params beside plain ones). The update runs on whole DTensors; it must equal one process."""
+    params beside plain ones). Elementwise math and reductions run on the ranks' blocks (the
+    sharded path), whole-matrix math on whole DTensors; either way it must equal one process."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -193,7 +199,7 @@ def run_tp(name: str, layout: str) -> tuple[float, str]:
     opt = {**CASES, **TP_ONLY}[name]()
     params = dict(net.named_parameters())
     state = opt.init(params)
-    update = ps.make_update(opt, donate=True, metrics=True)
+    update = ps.make_update(opt, donate=True, metrics=True, compile=compile)
     ref_params = {k: p.detach().clone() for k, p in ref.named_parameters()}
     ref_state, pure = opt.init(ref_params), ps.make_update(opt)
     gen = torch.Generator().manual_seed(1)

@@ -53,8 +53,18 @@ def test_sharded_update_on_an_hsdp_mesh_of_four_ranks_equals_one_process_and_kee
         ["normuon_adamw", "compile=False"], ["lamb", "compile=False"], ["prodigy", "compile=False"],
     ], out.stdout
     # Tensor parallelism (FSDP2 over mesh["dp"] beside TP over mesh["tp"]; TP alone beside plain
-    # params): torch's own clip_grad_norm_ refuses the mixed meshes; the update runs on whole
-    # DTensors (the per-leaf DTensor path, which says why) and equals one process.
-    tp = [line.split()[:3] for line in out.stdout.splitlines() if line.startswith(("ok fsdp+tp ", "ok tp "))]
-    assert tp == [["ok", layout, name] for layout in ("fsdp+tp", "tp") for name in ("adamw+clip+skip", "muon_adamw", "lamb", "qk_clip", "kron")], out.stdout
-    assert all("path='per-leaf DTensor'" in line for line in out.stdout.splitlines() if line.startswith(("ok fsdp+tp", "ok tp "))), out.stdout
+    # params): torch's own clip_grad_norm_ refuses the mixed meshes. Elementwise math and
+    # reductions run on each rank's blocks (the sharded path: weights count each block once);
+    # whole-matrix math (Muon), row-placed math (QK-clip) and Kron's factors on whole DTensors.
+    lines = [line.split() for line in out.stdout.splitlines() if line.startswith(("ok fsdp+tp ", "ok tp "))]
+    want = [
+        (layout, name, f"compile={c}")
+        for layout in ("fsdp+tp", "tp")
+        for name in ("adamw+clip+skip", "muon_adamw", "lamb", "qk_clip", "kron")
+        for c in ((False, True) if name == "adamw+clip+skip" else (False,))
+    ]
+    assert [tuple(line[1:4]) for line in lines] == want, out.stdout
+    on_blocks = {"adamw+clip+skip", "lamb"}
+    for line in lines:
+        path = "path='sharded'" if line[2] in on_blocks else "path='per-leaf"
+        assert line[5].startswith(path), line

@@ -22,9 +22,10 @@ The model is `purestep.api.models.GPT` (dim 128, 24 blocks: 5.2M params in 147 t
 - `tp`: FSDP2 beside tensor parallelism on a (dp 2, tp 2) mesh: the GPT's `tp_plan` (each
   block's q, k, v, gate and up column-parallel, `attn.proj` and `mlp.down` row-parallel) over
   `mesh["tp"]`, then `fully_shard` over `mesh["dp"]` (params on
-  two meshes). purestep's step runs on whole DTensors there (the per-leaf DTensor path):
-  clip + AdamW + apply_if_finite, and AdamW alone against `AdamW(fused=True)` (torch's own
-  `clip_grad_norm_` refuses the mixed meshes), with the equality check of AdamW alone.
+  two meshes). purestep's step runs on each rank's blocks there (the sharded path; Muon's
+  whole matrices on whole DTensors): clip + AdamW + apply_if_finite, and AdamW alone against
+  `AdamW(fused=True)` (torch's own `clip_grad_norm_` refuses the mixed meshes), with the
+  equality check of AdamW alone.
 
 4 ranks on a 2-core machine oversubscribe it: only ratios measured in one run compare.
 """
@@ -204,7 +205,7 @@ def part_tp(mesh, args) -> list[str]:
     theirs = build_tp()
     grads_of(theirs)
     fused = torch.optim.AdamW(theirs.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
-    fns = {"purestep clip+AdamW+apply_if_finite (whole DTensors)": clipped, "purestep AdamW (whole DTensors)": plain,
+    fns = {"purestep clip+AdamW+apply_if_finite": clipped, "purestep AdamW": plain,
            "torch AdamW(fused=True), no clip (clip_grad_norm_ refuses the meshes)": fused.step}
     medians = [interleaved(fns, args.steps) for _ in range(args.reps)]
     ours, _, ours_model = step_of(ps.adamw(1e-4, weight_decay=0.1))

@@ -9,6 +9,12 @@ an owner slot, balanced by Newton-Schulz cost and recomputed from the shapes on 
 the blocks travel to their owner in one `all_to_all_single` and the results' rows back in
 a second; on HSDP the replicas split the owners and one `all_reduce` across replicas
 completes every result).
+
+Other layouts (tensor parallelism alone or beside FSDP2: `Shard(d)` on any mesh dim, FSDP's
+`_StridedShard` rows on top of TP, params over a root mesh and its named slices, plain
+tensors beside them) are read as blocks (`_blocks_info`): the reductions run over every rank
+of the root mesh with each block counted once, and owner-computes assembles each matrix at
+its owner from the ranks' blocks (`_Boxes`: where each lies, by DTensor's own arithmetic).
 """
 
 from __future__ import annotations
@@ -93,6 +99,7 @@ class ShardInfo:
         slices: list[_Slice],
         replicas: tuple[Any, int, int] | None = None,
         copies: tuple[list[tuple[int, ...]], tuple[int, ...]] | None = None,
+        boxes: "_Boxes | None" = None,
     ) -> None:
         self.group, self.world, self.rank = group, world, rank
         self.slices = slices  # by leaf index (flatten order of the params)
@@ -108,6 +115,7 @@ class ShardInfo:
             self.weights = [1.0 if s.sharded or rank == 0 else 0.0 for s in slices]
         else:
             self.weights = [1.0 if all(copies[1][d] == 0 for d in c) else 0.0 for c in copies[0]]
+        self.boxes = boxes  # TP blocks: where each rank's block lies (owner-computes assembles them)
         self.active = False
         self._owners: dict[tuple[int, ...], tuple[dict[int, int], dict[int, int]]] = {}
 
@@ -122,11 +130,25 @@ class ShardInfo:
         return (("sharded", self.slices[index].sharded),) if self.copies is None else (("copies", self.copies[index]),)
 
     def declines(self, reductions: set[str], per_row_state: bool) -> str | None:
-        """Why a transform cannot run on these blocks, or None. Whole-matrix math (Muon's
-        owner-computes, NorMuon's per-row statistics) assembles row blocks: TP's column
-        blocks and FSDP's strided rows on top of TP are not assembled here."""
-        if self.blocks and ("map_matrices" in reductions or per_row_state):
-            return "whole-matrix math (owner-computes) over tensor-parallel blocks is not built: whole DTensors run it"
+        """Why a transform cannot run on these blocks, or None. On TP blocks, per-row
+        statistics (NorMuon: a row may be split over ranks) are not built, and whole-matrix
+        math needs every leaf's blocks to tile it (`_Boxes`)."""
+        if self.blocks and per_row_state:
+            return "per-row statistics over tensor-parallel blocks (a row split over ranks) are not built: whole DTensors run them"
+        if self.blocks and "map_matrices" in reductions:
+            return self.untiled()
+        return None
+
+    def untiled(self) -> str | None:
+        """Why some sharded leaf's blocks do not tile it (then no owner can assemble it), or None."""
+        assert self.boxes is not None
+        for i, s in enumerate(self.slices):
+            if not s.sharded:
+                continue
+            boxes = self.boxes.of(i)
+            counted = sum(math.prod(b[1]) for r, b in enumerate(boxes) if self.boxes.counts(i, r))
+            if counted != math.prod(s.shape) or boxes[self.rank][1] != tuple(local_shape(self.boxes.leaves[i])):
+                return f"param {i}'s blocks over the ranks do not tile it: owner-computes cannot assemble it"
         return None
 
     # -- shapes and weights -----------------------------------------------------
@@ -213,8 +235,6 @@ class ShardInfo:
         """`ops.map_matrices` over shards: owner-computes (see the module docstring);
         `batch`: the leading batch dims of each group's leaves; `extra`: a value per group
         handed to `fn` with each of its leaves (`fn(mats, lead, extras)`), when given."""
-        if self.blocks:
-            raise RuntimeError(self.declines({"map_matrices"}, False))
         blocks: dict[int, Tensor] = {}  # leaf index -> this rank's block
         lead: dict[int, int] = {}  # leaf index -> its batch dims (stacks are unbound here)
         extra_of: dict[int, Any] = {}
@@ -232,19 +252,25 @@ class ShardInfo:
                 return fn(mats, leads)
             return fn(mats, leads, extras if extras is not None else [extra_of[i] for i in idx])
 
-        # Row blocks of a leaf whose dim 0 indexes matrices (batch_dims >= 1: experts) are whole
-        # matrices: each rank computes its own, with no collective, and an expert leaf's work is
-        # split over the ranks as its rows are (blocks, not leaves).
-        by_block = [i for i in sorted(blocks) if self.slices[i].sharded and lead[i] >= 1 and blocks[i].shape[0]]
-        sharded = sorted(i for i in blocks if self.slices[i].sharded and lead[i] < 1)
-        results: dict[int, Tensor] = {
-            i: blocks[i] for i in blocks if self.slices[i].sharded and lead[i] >= 1 and not blocks[i].shape[0]
-        }
+        results: dict[int, Tensor] = {}
         replicated = [i for i in sorted(blocks) if not self.slices[i].sharded]
+        if self.blocks:  # TP blocks: every split leaf is assembled whole at its owner
+            sharded, by_block = sorted(i for i in blocks if self.slices[i].sharded), []
+        else:
+            # Row blocks of a leaf whose dim 0 indexes matrices (batch_dims >= 1: experts) are whole
+            # matrices: each rank computes its own, with no collective, and an expert leaf's work is
+            # split over the ranks as its rows are (blocks, not leaves).
+            by_block = [i for i in sorted(blocks) if self.slices[i].sharded and lead[i] >= 1 and blocks[i].shape[0]]
+            sharded = sorted(i for i in blocks if self.slices[i].sharded and lead[i] < 1)
+            results.update(
+                (i, blocks[i]) for i in blocks if self.slices[i].sharded and lead[i] >= 1 and not blocks[i].shape[0]
+            )
         local = replicated + by_block
         if local:  # every rank holds these whole (replicated leaves, its own expert matrices): computed where they are
             results.update(zip(local, run([blocks[i] for i in local], local)))
-        if sharded:
+        if sharded and self.blocks:
+            results.update(self._box_owner_computes(tuple(sharded), blocks, run))
+        elif sharded:
             results.update(self._split_owner_computes(sharded, blocks, lead, extra_of, run))
         out = []
         for g, x in zip(spec.groups, xs):
@@ -322,6 +348,82 @@ class ShardInfo:
         parts = got.split([sl[i].counts[me] * sl[i].row_numel for i in order])
         return {i: p.view(blocks[i].shape) for i, p in zip(order, parts)}
 
+    def _box_owner_computes(
+        self, indices: tuple[int, ...], blocks: dict[int, Tensor], run: Callable
+    ) -> dict[int, Tensor]:
+        """Owner-computes over TP blocks: every rank sends the blocks that count (not the copies)
+        of each matrix to its owner in one all_to_all over all ranks; the owner places them at
+        their offsets (`_Boxes`), runs `fn` on the whole matrices, and sends every rank its
+        block of each result (copies too) in a second all_to_all."""
+        assert self.boxes is not None
+        owner, me, world, boxes = self.owners(indices), self.rank, self.world, self.boxes
+        mine = [i for i in indices if owner[i] == me]
+        dtype = blocks[indices[0]].dtype
+        sent = [[i for i in indices if owner[i] == d and boxes.counts(i, me)] for d in range(world)]
+        send = [blocks[i].reshape(-1).to(dtype) for d in range(world) for i in sent[d]]
+        in_splits = [sum(_numel(boxes.of(i)[me]) for i in sent[d]) for d in range(world)]
+        came = [[i for i in mine if boxes.counts(i, s)] for s in range(world)]
+        out_splits = [sum(_numel(boxes.of(i)[s]) for i in came[s]) for s in range(world)]
+        got = self._all_to_all(torch.cat(send) if send else blocks[indices[0]].new_zeros(0), out_splits, in_splits)
+        pieces = iter(got.split([_numel(boxes.of(i)[s]) for s in range(world) for i in came[s]]))
+        whole = {i: blocks[i].new_empty(self.slices[i].shape, dtype=dtype) for i in mine}
+        for s in range(world):
+            for i in came[s]:
+                box = boxes.of(i)[s]
+                whole[i][_box_slices(box)] = next(pieces).view(box[1])
+        done = run([whole[i] for i in mine], mine) if mine else []
+        back = [o[_box_slices(boxes.of(i)[d])].reshape(-1) for d in range(world) for i, o in zip(mine, done)]
+        in_splits = [sum(_numel(boxes.of(i)[d]) for i in mine) for d in range(world)]
+        order = [i for s in range(world) for i in indices if owner[i] == s]
+        out_splits = [sum(_numel(boxes.of(i)[me]) for i in indices if owner[i] == s) for s in range(world)]
+        ref = done[0] if done else blocks[indices[0]]
+        got = self._all_to_all(torch.cat(back) if back else ref.new_zeros(0), out_splits, in_splits)
+        parts = got.split([_numel(boxes.of(i)[me]) for i in order])
+        return {i: p.view(blocks[i].shape) for i, p in zip(order, parts)}
+
+
+class _Boxes:
+    """Where every rank's block of each leaf lies in the whole leaf (TP blocks): per leaf, per
+    world rank, `(offsets, shape)` (DTensor's own arithmetic, `_StridedShard` included), and
+    whether that rank holds the copy that counts."""
+
+    def __init__(self, leaves: list[Any], root: Any, dims: list[tuple[int, ...]], copies: list[tuple[int, ...]]):
+        self.leaves, self.dims, self.copies = leaves, dims, copies
+        self.coords = [tuple(int(c) for c in (root.mesh == r).nonzero()[0]) for r in range(root.mesh.numel())]
+        self._boxes: dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+
+    def of(self, i: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Leaf `i`'s block on each rank: (offsets, shape) in the whole leaf."""
+        if i not in self._boxes:
+            from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset as box
+
+            x = self.leaves[i]
+            if not is_dtensor(x):
+                self._boxes[i] = [((0,) * x.dim(), tuple(x.shape))] * len(self.coords)
+            else:
+                shape, dims = tuple(x.device_mesh.shape), self.dims[i]
+                self._boxes[i] = []
+                for c in self.coords:
+                    size, offset = box(x.shape, shape, [c[d] for d in dims], x.placements)
+                    self._boxes[i].append((tuple(offset), tuple(size)))
+        return self._boxes[i]
+
+    def counts(self, i: int, rank: int) -> bool:
+        """Whether `rank`'s block of leaf `i` is the copy that counts (the others repeat it)."""
+        return all(self.coords[rank][d] == 0 for d in self.copies[i])
+
+
+def local_shape(x: Any) -> torch.Size:
+    return x._local_tensor.shape if is_dtensor(x) else x.shape
+
+
+def _numel(box: tuple[tuple[int, ...], tuple[int, ...]]) -> int:
+    return math.prod(box[1])
+
+
+def _box_slices(box: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(*box))
+
 
 def describe(params: Any) -> str:
     """What the sharded path runs on these params' mesh, for `explain()`."""
@@ -332,7 +434,9 @@ def describe(params: Any) -> str:
     if info.blocks:
         return (
             f"tensor-parallel blocks over {info.world} ranks: elementwise math on each rank's blocks; reductions "
-            "are one all_reduce over every rank, each block counted once (its copies on other ranks weigh 0)"
+            "are one all_reduce over every rank, each block counted once (its copies on other ranks weigh 0); "
+            "whole-matrix math is owner-computes over every rank (each matrix assembled from its row x column "
+            "blocks at its owner in one all_to_all, its result's blocks back in a second)"
         )
     if info.replicas > 1:
         return (
@@ -449,9 +553,11 @@ def _blocks_info(params: Any) -> ShardInfo:
     all_dims = tuple(range(root.ndim))
     copies: list[tuple[int, ...]] = []
     slices: list[_Slice] = []
+    mesh_dims: list[tuple[int, ...]] = []  # per leaf: the root dims its mesh spans
     for path, x in pairs:
         if not is_dtensor(x):
             copies.append(all_dims)
+            mesh_dims.append(())
             slices.append(_Slice(x.shape, (0,) * world, (x.shape[0] if x.dim() else 1,) * world, False))
             continue
         mesh = x.device_mesh
@@ -461,6 +567,7 @@ def _blocks_info(params: Any) -> ShardInfo:
             dims = tuple(names.index(n) for n in mesh.mesh_dim_names)
         else:
             raise ValueError(f"param '{path}': its mesh {mesh.mesh_dim_names} is no named slice of the root mesh")
+        mesh_dims.append(dims)
         split = set()
         for d, placement in zip(dims, x.placements):
             if isinstance(placement, Partial):
@@ -470,6 +577,12 @@ def _blocks_info(params: Any) -> ShardInfo:
         copies.append(tuple(d for d in all_dims if d not in split))
         slices.append(_Slice(x.shape, (0,) * world, (0,) * world, bool(split)))
     coordinate = tuple(root.get_coordinate())
+    boxes = _Boxes([x for _, x in pairs], root, mesh_dims, copies)
     return ShardInfo(
-        torch.distributed.group.WORLD, world, torch.distributed.get_rank(), slices, copies=(copies, coordinate)
+        torch.distributed.group.WORLD,
+        world,
+        torch.distributed.get_rank(),
+        slices,
+        copies=(copies, coordinate),
+        boxes=boxes,
     )

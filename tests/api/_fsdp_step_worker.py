@@ -171,8 +171,8 @@ class MLP(torch.nn.Module):
         return self.head(torch.tanh(self.down(torch.tanh(self.up(x)))))
 
 
-TP_CASES = ("adamw+clip+skip", "muon_adamw", "lamb", "qk_clip", "kron")
-TP_COMPILED = ("adamw+clip+skip",)
+TP_CASES = ("adamw+clip+skip", "muon_adamw", "normuon_adamw", "lamb", "qk_clip", "kron")
+TP_COMPILED = ("adamw+clip+skip", "muon_adamw")
 # QK-clip's head rows on TP's colwise (Shard(0)) and rowwise (Shard(1)) weights, on whole DTensors.
 TP_ONLY = {"qk_clip": lambda: ps.chain(ps.adamw(0.02), ps.qk_clip(5.0, {"attn": ps.QKHeads(q="up.weight", k="down.weight", heads=2)}))}
 

@@ -25,7 +25,8 @@ The model is `purestep.api.models.GPT` (dim 128, 24 blocks: 5.2M params in 147 t
   two meshes). purestep's step runs on each rank's blocks there (the sharded path; Muon's
   whole matrices on whole DTensors): clip + AdamW + apply_if_finite, and AdamW alone against
   `AdamW(fused=True)` (torch's own `clip_grad_norm_` refuses the mixed meshes), with the
-  equality check of AdamW alone.
+  equality check of AdamW alone. `tp-muon`: `muon` on that layout (each matrix assembled at its
+  owner from its row x column blocks).
 
 4 ranks on a 2-core machine oversubscribe it: only ratios measured in one run compare.
 """
@@ -133,9 +134,15 @@ def _matmul_flops(fn) -> float:
     return float(sum(e.flops or 0 for e in prof.key_averages() if e.key in ("aten::bmm", "aten::baddbmm", "aten::mm", "aten::addmm")))
 
 
-def part_muon(mesh, args) -> list[str]:
+def part_muon(mesh, args, label: str = "HSDP 2x2", model_fn=None) -> list[str]:
     opt = lambda: ps.muon_adamw(lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float32)  # noqa: E731
-    mine, update, _ = purestep_step(mesh, opt())
+    if model_fn is None:
+        mine, update, _ = purestep_step(mesh, opt())
+    else:
+        model = model_fn()
+        params, grads = dict(model.named_parameters()), grads_of(model)
+        state, update = opt().init(params), ps.make_update(opt(), compile=True, donate=True)
+        mine = lambda: update(params, grads, state)  # noqa: E731
     flops = torch.tensor([_matmul_flops(mine)])
     every = [torch.zeros(1) for _ in range(dist.get_world_size())]
     dist.all_gather(every, flops)
@@ -164,7 +171,7 @@ def part_muon(mesh, args) -> list[str]:
         return []
     per_rank = [float(f) for f in every]
     return [
-        "### Muon on HSDP 2x2 (`muon_adamw(ns_dtype=float32)`, owner-computes over all 4 ranks)",
+        f"### Muon on {label} (`muon_adamw(ns_dtype=float32)`, owner-computes over all 4 ranks)",
         "",
         f"`explain()`: {update.explain()}",
         "",
@@ -260,7 +267,7 @@ def main() -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--parts", nargs="+", default=["step", "muon", "collectives"], choices=["step", "muon", "collectives", "tp"])
+    ap.add_argument("--parts", nargs="+", default=["step", "muon", "collectives"], choices=["step", "muon", "collectives", "tp", "tp-muon"])
     ap.add_argument("--steps", type=int, default=10, help="interleaved steps per repeat (median)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--check", type=int, default=5, help="steps of the equality check")
@@ -272,7 +279,8 @@ def main() -> None:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     lines: list[str] = []
     for part in args.parts:
-        lines += {"step": part_step, "muon": part_muon, "collectives": part_collectives, "tp": part_tp}[part](mesh, args)
+        lines += {"step": part_step, "muon": part_muon, "collectives": part_collectives, "tp": part_tp,
+                  "tp-muon": lambda mesh, args: part_muon(mesh, args, "FSDP+TP 2x2", build_tp)}[part](mesh, args)
     if dist.get_rank() == 0:
         head = [
             f"# The step on an HSDP mesh ({datetime.date.today()})",

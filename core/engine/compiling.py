@@ -38,13 +38,14 @@ def compile_per_leaf(fn: Callable) -> Callable:
     return torch.compile(fn, fullgraph=True, options=_INDUCTOR_OPTIONS)
 
 
-def compile_own(fn: Callable, device: torch.device) -> Callable:
+def compile_own(fn: Callable, device: torch.device, static: bool = False) -> Callable:
     """`fn` compiled as the flat and sharded paths run it, under its own code object: Dynamo
     keeps compiled graphs per code object (8 at most), so each step is its own program
-    rather than evicting the others'. Static (`dynamic=False`): a step's buffers never change
-    size, and Dynamo's automatic dynamic shapes, which remember sizes by a function's file and
-    line across code objects, would otherwise turn the plan's sizes into symbols once a second
-    step of other sizes compiles (owner-computes then cannot sort its matrices by cost)."""
+    rather than evicting the others'. `static` (`dynamic=False`, for the update, whose
+    buffers never change size): Dynamo's automatic dynamic shapes remember sizes by a
+    function's file and line across code objects, and would turn the plan's sizes into
+    symbols once a second update of other sizes compiles (owner-computes then cannot sort
+    its matrices by cost). `make_step`'s step stays dynamic: its batches change shape."""
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     options = _FLAT_INDUCTOR_OPTIONS if device.type in ("cpu", "cuda") else {}
-    return torch.compile(own, fullgraph=True, dynamic=False, options=options)
+    return torch.compile(own, fullgraph=True, dynamic=False if static else None, options=options)

@@ -54,6 +54,7 @@ class FlatUpdate:
     function of trees, is what runs compiled over the buffers."""
 
     grads_in = True  # grads come from the caller (make_step computes its own)
+    static_compile = False  # see `compile_own`: the sharded update compiles static
 
     def __init__(self, program: Any) -> None:
         self.transform, self.pure, self.averaging = program.transform, program.pure, program.averaging
@@ -165,7 +166,7 @@ class FlatUpdate:
                 write_back(dst, src)
             return out[-1] if metrics else None
 
-        return compile_own(step, device)
+        return compile_own(step, device, static=self.static_compile)
 
     def _grads_in(self, grads: Any) -> None:
         b = self._bound()

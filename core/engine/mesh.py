@@ -140,14 +140,24 @@ class ShardInfo:
         return None
 
     def untiled(self) -> str | None:
-        """Why some sharded leaf's blocks do not tile it (then no owner can assemble it), or None."""
+        """Why some sharded leaf's blocks do not tile it (then no owner can assemble it), or None.
+
+        The blocks that count must be the cells of a grid: along each dim their intervals
+        partition it, and there is one block per cell. `_StridedShard` orders whose rows are
+        not contiguous give offsets that are no boxes; they fail here, as they must."""
         assert self.boxes is not None
         for i, s in enumerate(self.slices):
             if not s.sharded:
                 continue
             boxes = self.boxes.of(i)
-            counted = sum(math.prod(b[1]) for r, b in enumerate(boxes) if self.boxes.counts(i, r))
-            if counted != math.prod(s.shape) or boxes[self.rank][1] != tuple(local_shape(self.boxes.leaves[i])):
+            counted = {b for r, b in enumerate(boxes) if self.boxes.counts(i, r) and _numel(b) > 0}
+            cells = 1
+            for d, size in enumerate(s.shape):
+                edges = sorted({(b[0][d], b[0][d] + b[1][d]) for b in counted})
+                if [a for a, _ in edges] != [0] + [b for _, b in edges[:-1]] or (edges and edges[-1][1] != size):
+                    return f"param {i}'s blocks over the ranks do not tile dim {d}: owner-computes cannot assemble it"
+                cells *= len(edges)
+            if len(counted) != cells or boxes[self.rank][1] != tuple(local_shape(self.boxes.leaves[i])):
                 return f"param {i}'s blocks over the ranks do not tile it: owner-computes cannot assemble it"
         return None
 
@@ -576,6 +586,12 @@ def _blocks_info(params: Any) -> ShardInfo:
                 split.add(d)
         copies.append(tuple(d for d in all_dims if d not in split))
         slices.append(_Slice(x.shape, (0,) * world, (0,) * world, bool(split)))
+    spanned = {d for dims in mesh_dims for d in dims}
+    if spanned != set(all_dims):  # a dim no leaf spans holds other params (pipeline stages), not copies
+        left = [names[d] if names else d for d in all_dims if d not in spanned]
+        raise ValueError(
+            f"no param spans the root mesh's dims {left} (pipeline stages?): reductions over them are not built"
+        )
     coordinate = tuple(root.get_coordinate())
     boxes = _Boxes([x for _, x in pairs], root, mesh_dims, copies)
     return ShardInfo(

@@ -40,13 +40,15 @@ from .donate import aliases, move_storage
 from .dtensor import is_dtensor, local, local_tree
 from .flat import FlatUpdate
 from .mesh import describe as describe
-from .mesh import _root, shard_info
+from .mesh import shard_info
 from .needs import plan
 from .packed import NotPacked, Packed, PackSpec
 
 
 class ShardedUpdate(FlatUpdate):
     """`FlatUpdate` over this rank's FSDP2 shards (see the module docstring)."""
+
+    static_compile = True  # its owner assignment sorts the plan's sizes: they must stay ints
 
     def __init__(self, program: Any) -> None:
         super().__init__(program)
@@ -186,12 +188,20 @@ class ShardedEager:
 def _agree(ok: bool, params: Any, engine: Any) -> bool:
     """Whether every rank can run a sharded path (one collective, at the first call): their
     collectives must match, so a rank that cannot sends all to the per-leaf path."""
-    meshes = [_root(x.device_mesh) for x in pytree.tree_leaves(params) if is_dtensor(x)]
+    # Every mesh the DTensors live on (a root mesh and its slices under FSDP beside TP), each
+    # dim in turn, in an order every rank shares: the flag reaches every rank they span, and
+    # none beyond (a pipeline stage's meshes leave the other stages out).
+    meshes: dict[tuple, Any] = {}
+    for x in pytree.tree_leaves(params):
+        if is_dtensor(x):
+            m = x.device_mesh
+            meshes.setdefault((m.mesh_dim_names or (), tuple(m.mesh.shape)), m)
     flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
-    for dim in range(meshes[0].ndim if meshes else 0):  # over every dim of the root mesh in turn: all of it
-        group = meshes[0].get_group(dim)
-        if torch.distributed.get_world_size(group) > 1:
-            torch.distributed.all_reduce(flag, group=group)
+    for key in sorted(meshes):
+        for dim in range(meshes[key].ndim):
+            group = meshes[key].get_group(dim)
+            if torch.distributed.get_world_size(group) > 1:
+                torch.distributed.all_reduce(flag, group=group)
     if ok and int(flag[0]):
         engine.why_not = f"{int(flag[0])} other rank(s) cannot plan this transform over their blocks"
     return not int(flag[0])

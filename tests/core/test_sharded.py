@@ -124,3 +124,34 @@ def test_the_blocks_of_a_split_leaf_are_units_of_their_own_owned_apart():
     two = mesh.ShardInfo(None, 2, 0, [_slice((5, 4), 2)])
     first, second = two.unit_slice((0, 0, 2)), two.unit_slice((0, 2, 5))
     assert first.counts == (2, 0) and second.counts == (1, 2) and second.starts == (0, 1)
+
+
+class _FakeMesh:
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.mesh = torch.arange(int(torch.tensor(shape).prod())).view(shape)
+
+
+def _blocks(leaf_shape, placements, mesh_shape=(2, 2), rank=0) -> mesh.ShardInfo:
+    """A ShardInfo over TP blocks of one leaf on a fake root mesh (no process group): where
+    each rank's block lies, by DTensor's own offset arithmetic."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset as box
+
+    dims = tuple(range(len(mesh_shape)))
+    boxes = mesh._Boxes([torch.empty(leaf_shape)], _FakeMesh(mesh_shape), [dims], [()])
+    boxes._boxes[0] = [tuple(map(tuple, reversed(box(leaf_shape, mesh_shape, list(c), placements)))) for c in boxes.coords]
+    boxes.leaves = [torch.empty(boxes._boxes[0][rank][1])]
+    s = mesh._Slice(torch.Size(leaf_shape), (0,) * 4, (0,) * 4, True)
+    return mesh.ShardInfo(None, 4, rank, [s], copies=([()], (0, 0)), boxes=boxes)
+
+
+def test_tp_blocks_tile_a_matrix_only_where_they_are_boxes():
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    # FSDP2 on top of TP: TP's row chunks, each cut in FSDP's; contiguous: an owner can assemble it.
+    assert _blocks((8, 6), [_StridedShard(0, split_factor=2), Shard(0)]).untiled() is None
+    assert _blocks((8, 6), [Shard(0), Shard(1)]).untiled() is None  # rows x columns
+    assert _blocks((5, 3), [_StridedShard(0, split_factor=2), Shard(0)]).untiled() is None  # uneven
+    # The other order strides the rows (0, 2 | 1, 3 | ...): no boxes; owner-computes declines.
+    bad = _blocks((8, 4), [Shard(0), _StridedShard(0, split_factor=2)]).untiled()
+    assert bad is not None and "do not tile" in bad

@@ -121,7 +121,8 @@ class ShardInfo:
 
     @property
     def blocks(self) -> bool:
-        """Whether leaves lie in blocks other than FSDP2's row blocks (TP): owner-computes is off."""
+        """Whether leaves lie in blocks other than FSDP2's row blocks (TP): reductions run over
+        every rank, owner-computes assembles each matrix from boxes (`_box_owner_computes`)."""
         return self.copies is not None
 
     def tags(self, index: int) -> tuple:
@@ -157,7 +158,7 @@ class ShardInfo:
                 if [a for a, _ in edges] != [0] + [b for _, b in edges[:-1]] or (edges and edges[-1][1] != size):
                     return f"param {i}'s blocks over the ranks do not tile dim {d}: owner-computes cannot assemble it"
                 cells *= len(edges)
-            if len(counted) != cells or boxes[self.rank][1] != tuple(local_shape(self.boxes.leaves[i])):
+            if len(counted) != cells or boxes[self.rank][1] != tuple(_local_shape(self.boxes.leaves[i])):
                 return f"param {i}'s blocks over the ranks do not tile it: owner-computes cannot assemble it"
         return None
 
@@ -264,7 +265,7 @@ class ShardInfo:
 
         results: dict[int, Tensor] = {}
         replicated = [i for i in sorted(blocks) if not self.slices[i].sharded]
-        if self.blocks:  # TP blocks: every split leaf is assembled whole at its owner
+        if self.blocks:  # TP blocks: every leaf split over ranks is assembled whole at its owner
             sharded, by_block = sorted(i for i in blocks if self.slices[i].sharded), []
         else:
             # Row blocks of a leaf whose dim 0 indexes matrices (batch_dims >= 1: experts) are whole
@@ -423,7 +424,7 @@ class _Boxes:
         return all(self.coords[rank][d] == 0 for d in self.copies[i])
 
 
-def local_shape(x: Any) -> torch.Size:
+def _local_shape(x: Any) -> torch.Size:
     return x._local_tensor.shape if is_dtensor(x) else x.shape
 
 

@@ -12,9 +12,9 @@ completes every result).
 
 Other layouts (tensor parallelism alone or beside FSDP2: `Shard(d)` on any mesh dim, FSDP's
 `_StridedShard` rows on top of TP, params over a root mesh and its named slices, plain
-tensors beside them) are read as blocks (`_blocks_info`): the reductions run over every rank
-of the root mesh with each block counted once, and owner-computes assembles each matrix at
-its owner from the ranks' blocks (`_Boxes`: where each lies, by DTensor's own arithmetic).
+tensors beside them) are read as blocks (`tp.blocks_info`): the reductions run over every
+rank of the root mesh with each block counted once, and owner-computes assembles each matrix
+at its owner from the ranks' blocks (`tp.Boxes`: where each lies, by DTensor's own arithmetic).
 """
 
 from __future__ import annotations
@@ -99,14 +99,14 @@ class ShardInfo:
         slices: list[_Slice],
         replicas: tuple[Any, int, int] | None = None,
         copies: tuple[list[tuple[int, ...]], tuple[int, ...]] | None = None,
-        boxes: "_Boxes | None" = None,
+        boxes: Any = None,
     ) -> None:
         self.group, self.world, self.rank = group, world, rank
         self.slices = slices  # by leaf index (flatten order of the params)
         # HSDP: (the group of this rank's replicas, their number, this rank's index among them)
         self.replica_group: Any
         self.replica_group, self.replicas, self.replica = replicas if replicas is not None else (None, 1, 0)
-        # Blocks (TP, FSDP beside TP; see `_blocks_info`): `(per leaf, the root mesh dims along
+        # Blocks (TP, FSDP beside TP; see `tp.blocks_info`): `(per leaf, the root mesh dims along
         # which the ranks hold copies of one block; this rank's coordinate on the root mesh)`,
         # and this rank weighs 1 in a reduction where it holds the copy at coordinate 0 of
         # each such dim. Rows (FSDP2, HSDP): None; a replicated leaf weighs 1 on rank 0.
@@ -115,14 +115,14 @@ class ShardInfo:
             self.weights = [1.0 if s.sharded or rank == 0 else 0.0 for s in slices]
         else:
             self.weights = [1.0 if all(copies[1][d] == 0 for d in c) else 0.0 for c in copies[0]]
-        self.boxes = boxes  # TP blocks: where each rank's block lies (owner-computes assembles them)
+        self.boxes = boxes  # TP blocks: where each rank's block lies (`tp.Boxes`)
         self.active = False
         self._owners: dict[tuple[int, ...], tuple[dict[int, int], dict[int, int]]] = {}
 
     @property
     def blocks(self) -> bool:
         """Whether leaves lie in blocks other than FSDP2's row blocks (TP): reductions run over
-        every rank, owner-computes assembles each matrix from boxes (`_box_owner_computes`)."""
+        every rank, owner-computes assembles each matrix from boxes (`tp.owner_computes`)."""
         return self.copies is not None
 
     def tags(self, index: int) -> tuple:
@@ -133,33 +133,13 @@ class ShardInfo:
     def declines(self, reductions: set[str], per_row_state: bool) -> str | None:
         """Why a transform cannot run on these blocks, or None. On TP blocks, per-row
         statistics (NorMuon: a row may be split over ranks) are not built, and whole-matrix
-        math needs every leaf's blocks to tile it (`_Boxes`)."""
+        math needs every leaf's blocks to tile it (`tp.untiled`)."""
         if self.blocks and per_row_state:
             return "per-row statistics over tensor-parallel blocks (a row split over ranks) are not built: whole DTensors run them"
         if self.blocks and "map_matrices" in reductions:
-            return self.untiled()
-        return None
+            from . import tp
 
-    def untiled(self) -> str | None:
-        """Why some sharded leaf's blocks do not tile it (then no owner can assemble it), or None.
-
-        The blocks that count must be the cells of a grid: along each dim their intervals
-        partition it, and there is one block per cell. `_StridedShard` orders whose rows are
-        not contiguous give offsets that are no boxes; they fail here, as they must."""
-        assert self.boxes is not None
-        for i, s in enumerate(self.slices):
-            if not s.sharded:
-                continue
-            boxes = self.boxes.of(i)
-            counted = {b for r, b in enumerate(boxes) if self.boxes.counts(i, r) and _numel(b) > 0}
-            cells = 1
-            for d, size in enumerate(s.shape):
-                edges = sorted({(b[0][d], b[0][d] + b[1][d]) for b in counted})
-                if [a for a, _ in edges] != [0] + [b for _, b in edges[:-1]] or (edges and edges[-1][1] != size):
-                    return f"param {i}'s blocks over the ranks do not tile dim {d}: owner-computes cannot assemble it"
-                cells *= len(edges)
-            if len(counted) != cells or boxes[self.rank][1] != tuple(_local_shape(self.boxes.leaves[i])):
-                return f"param {i}'s blocks over the ranks do not tile it: owner-computes cannot assemble it"
+            return tp.untiled(self)
         return None
 
     # -- shapes and weights -----------------------------------------------------
@@ -280,7 +260,9 @@ class ShardInfo:
         if local:  # every rank holds these whole (replicated leaves, its own expert matrices): computed where they are
             results.update(zip(local, run([blocks[i] for i in local], local)))
         if sharded and self.blocks:
-            results.update(self._box_owner_computes(tuple(sharded), blocks, run))
+            from . import tp
+
+            results.update(tp.owner_computes(self, tuple(sharded), blocks, run))
         elif sharded:
             results.update(self._split_owner_computes(sharded, blocks, lead, extra_of, run))
         out = []
@@ -359,82 +341,6 @@ class ShardInfo:
         parts = got.split([sl[i].counts[me] * sl[i].row_numel for i in order])
         return {i: p.view(blocks[i].shape) for i, p in zip(order, parts)}
 
-    def _box_owner_computes(
-        self, indices: tuple[int, ...], blocks: dict[int, Tensor], run: Callable
-    ) -> dict[int, Tensor]:
-        """Owner-computes over TP blocks: every rank sends the blocks that count (not the copies)
-        of each matrix to its owner in one all_to_all over all ranks; the owner places them at
-        their offsets (`_Boxes`), runs `fn` on the whole matrices, and sends every rank its
-        block of each result (copies too) in a second all_to_all."""
-        assert self.boxes is not None
-        owner, me, world, boxes = self.owners(indices), self.rank, self.world, self.boxes
-        mine = [i for i in indices if owner[i] == me]
-        dtype = blocks[indices[0]].dtype
-        sent = [[i for i in indices if owner[i] == d and boxes.counts(i, me)] for d in range(world)]
-        send = [blocks[i].reshape(-1).to(dtype) for d in range(world) for i in sent[d]]
-        in_splits = [sum(_numel(boxes.of(i)[me]) for i in sent[d]) for d in range(world)]
-        came = [[i for i in mine if boxes.counts(i, s)] for s in range(world)]
-        out_splits = [sum(_numel(boxes.of(i)[s]) for i in came[s]) for s in range(world)]
-        got = self._all_to_all(torch.cat(send) if send else blocks[indices[0]].new_zeros(0), out_splits, in_splits)
-        pieces = iter(got.split([_numel(boxes.of(i)[s]) for s in range(world) for i in came[s]]))
-        whole = {i: blocks[i].new_empty(self.slices[i].shape, dtype=dtype) for i in mine}
-        for s in range(world):
-            for i in came[s]:
-                box = boxes.of(i)[s]
-                whole[i][_box_slices(box)] = next(pieces).view(box[1])
-        done = run([whole[i] for i in mine], mine) if mine else []
-        back = [o[_box_slices(boxes.of(i)[d])].reshape(-1) for d in range(world) for i, o in zip(mine, done)]
-        in_splits = [sum(_numel(boxes.of(i)[d]) for i in mine) for d in range(world)]
-        order = [i for s in range(world) for i in indices if owner[i] == s]
-        out_splits = [sum(_numel(boxes.of(i)[me]) for i in indices if owner[i] == s) for s in range(world)]
-        ref = done[0] if done else blocks[indices[0]]
-        got = self._all_to_all(torch.cat(back) if back else ref.new_zeros(0), out_splits, in_splits)
-        parts = got.split([_numel(boxes.of(i)[me]) for i in order])
-        return {i: p.view(blocks[i].shape) for i, p in zip(order, parts)}
-
-
-class _Boxes:
-    """Where every rank's block of each leaf lies in the whole leaf (TP blocks): per leaf, per
-    world rank, `(offsets, shape)` (DTensor's own arithmetic, `_StridedShard` included), and
-    whether that rank holds the copy that counts."""
-
-    def __init__(self, leaves: list[Any], root: Any, dims: list[tuple[int, ...]], copies: list[tuple[int, ...]]):
-        self.leaves, self.dims, self.copies = leaves, dims, copies
-        self.coords = [tuple(int(c) for c in (root.mesh == r).nonzero()[0]) for r in range(root.mesh.numel())]
-        self._boxes: dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
-
-    def of(self, i: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        """Leaf `i`'s block on each rank: (offsets, shape) in the whole leaf."""
-        if i not in self._boxes:
-            from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset as box
-
-            x = self.leaves[i]
-            if not is_dtensor(x):
-                self._boxes[i] = [((0,) * x.dim(), tuple(x.shape))] * len(self.coords)
-            else:
-                shape, dims = tuple(x.device_mesh.shape), self.dims[i]
-                self._boxes[i] = []
-                for c in self.coords:
-                    size, offset = box(x.shape, shape, [c[d] for d in dims], x.placements)
-                    self._boxes[i].append((tuple(offset), tuple(size)))
-        return self._boxes[i]
-
-    def counts(self, i: int, rank: int) -> bool:
-        """Whether `rank`'s block of leaf `i` is the copy that counts (the others repeat it)."""
-        return all(self.coords[rank][d] == 0 for d in self.copies[i])
-
-
-def _local_shape(x: Any) -> torch.Size:
-    return x._local_tensor.shape if is_dtensor(x) else x.shape
-
-
-def _numel(box: tuple[tuple[int, ...], tuple[int, ...]]) -> int:
-    return math.prod(box[1])
-
-
-def _box_slices(box: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[slice, ...]:
-    return tuple(slice(o, o + n) for o, n in zip(*box))
-
 
 def describe(params: Any) -> str:
     """What the sharded path runs on these params' mesh, for `explain()`."""
@@ -485,12 +391,14 @@ def _replicas_compute(
 
 def shard_info(params: Any) -> ShardInfo:
     """How `params` lie over the ranks: FSDP2's or HSDP's row blocks (`_rows_info`), else
-    any blocks of DTensors over one root mesh (`_blocks_info`: TP, FSDP beside TP)."""
+    any blocks of DTensors over one root mesh (`tp.blocks_info`: TP, FSDP beside TP)."""
     try:
         return _rows_info(params)
     except ValueError as rows_error:
         try:
-            return _blocks_info(params)
+            from .tp import blocks_info
+
+            return blocks_info(params)
         except ValueError as e:
             raise ValueError(f"{rows_error}; nor as blocks: {e}") from None
 
@@ -531,75 +439,3 @@ def _rows_info(params: Any) -> ShardInfo:
         if torch.distributed.get_world_size(other) > 1:
             replicas = (other, torch.distributed.get_world_size(other), torch.distributed.get_rank(other))
     return ShardInfo(group, world, rank, [_slice_of(p, x, world, rank) for p, x in pairs], replicas)
-
-
-def _root(mesh: Any) -> Any:
-    get = getattr(mesh, "_get_root_mesh", None)
-    if get is not None:
-        return get()
-    from torch.distributed.device_mesh import _mesh_resources  # torch < 2.8
-
-    return _mesh_resources.get_root_mesh(mesh)
-
-
-def _blocks_info(params: Any) -> ShardInfo:
-    """Leaves in any blocks over one root mesh (TP's `Shard(d)`, FSDP's `_StridedShard` on top
-    of TP, submeshes of it, plain tensors: replicated): elementwise math is local whatever
-    the blocks; a reduction sums local partials over every rank of the root mesh, each
-    block counted once. A leaf's copies lie along the root dims it is not split on (its
-    `Replicate` dims and the root dims its submesh leaves out): the rank at coordinate 0 of
-    those weighs 1, the others 0."""
-    from torch.distributed.tensor import Partial, Replicate
-
-    pairs, _ = tr.tree_flatten_with_path(params)
-    dtensors = [(p, x) for p, x in pairs if is_dtensor(x)]
-    roots = {id(_root(x.device_mesh)): _root(x.device_mesh) for _, x in dtensors}
-    if len(roots) != 1:
-        raise ValueError(f"the params' DTensors live under {len(roots)} root device meshes; one is needed")
-    root = next(iter(roots.values()))
-    world = torch.distributed.get_world_size()
-    if root.mesh.numel() != world:
-        raise ValueError(f"the params' root mesh holds {root.mesh.numel()} of the world's {world} ranks")
-    names = root.mesh_dim_names
-    all_dims = tuple(range(root.ndim))
-    copies: list[tuple[int, ...]] = []
-    slices: list[_Slice] = []
-    mesh_dims: list[tuple[int, ...]] = []  # per leaf: the root dims its mesh spans
-    for path, x in pairs:
-        if not is_dtensor(x):
-            copies.append(all_dims)
-            mesh_dims.append(())
-            slices.append(_Slice(x.shape, (0,) * world, (x.shape[0] if x.dim() else 1,) * world, False))
-            continue
-        mesh = x.device_mesh
-        if mesh is root or mesh == root:
-            dims = all_dims
-        elif mesh.mesh_dim_names and names and all(n in names for n in mesh.mesh_dim_names):
-            dims = tuple(names.index(n) for n in mesh.mesh_dim_names)
-        else:
-            raise ValueError(f"param '{path}': its mesh {mesh.mesh_dim_names} is no named slice of the root mesh")
-        mesh_dims.append(dims)
-        split = set()
-        for d, placement in zip(dims, x.placements):
-            if isinstance(placement, Partial):
-                raise ValueError(f"param '{path}' is placed {tuple(x.placements)}: a Partial value is no block")
-            if not isinstance(placement, Replicate):
-                split.add(d)
-        copies.append(tuple(d for d in all_dims if d not in split))
-        slices.append(_Slice(x.shape, (0,) * world, (0,) * world, bool(split)))
-    spanned = {d for dims in mesh_dims for d in dims}
-    if spanned != set(all_dims):  # a dim no leaf spans holds other params (pipeline stages), not copies
-        left = [names[d] if names else d for d in all_dims if d not in spanned]
-        raise ValueError(
-            f"no param spans the root mesh's dims {left} (pipeline stages?): reductions over them are not built"
-        )
-    coordinate = tuple(root.get_coordinate())
-    boxes = _Boxes([x for _, x in pairs], root, mesh_dims, copies)
-    return ShardInfo(
-        torch.distributed.group.WORLD,
-        world,
-        torch.distributed.get_rank(),
-        slices,
-        copies=(copies, coordinate),
-        boxes=boxes,
-    )

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import purestep.core as ps
-from purestep.core.engine import mesh
+from purestep.core.engine import mesh, tp
 
 
 def _slice(shape: tuple[int, ...], world: int) -> mesh._Slice:
@@ -137,7 +137,7 @@ def _blocks(leaf_shape, placements, mesh_shape=(2, 2), rank=0) -> mesh.ShardInfo
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset as box
 
     dims = tuple(range(len(mesh_shape)))
-    boxes = mesh._Boxes([torch.empty(leaf_shape)], _FakeMesh(mesh_shape), [dims], [()])
+    boxes = tp.Boxes([torch.empty(leaf_shape)], _FakeMesh(mesh_shape), [dims], [()])
     boxes._boxes[0] = [tuple(map(tuple, reversed(box(leaf_shape, mesh_shape, list(c), placements)))) for c in boxes.coords]
     boxes.leaves = [torch.empty(boxes._boxes[0][rank][1])]
     s = mesh._Slice(torch.Size(leaf_shape), (0,) * 4, (0,) * 4, True)
@@ -149,9 +149,9 @@ def test_tp_blocks_tile_a_matrix_only_where_they_are_boxes():
     from torch.distributed.tensor.placement_types import _StridedShard
 
     # FSDP2 on top of TP: TP's row chunks, each cut in FSDP's; contiguous: an owner can assemble it.
-    assert _blocks((8, 6), [_StridedShard(0, split_factor=2), Shard(0)]).untiled() is None
-    assert _blocks((8, 6), [Shard(0), Shard(1)]).untiled() is None  # rows x columns
-    assert _blocks((5, 3), [_StridedShard(0, split_factor=2), Shard(0)]).untiled() is None  # uneven
+    assert tp.untiled(_blocks((8, 6), [_StridedShard(0, split_factor=2), Shard(0)])) is None
+    assert tp.untiled(_blocks((8, 6), [Shard(0), Shard(1)])) is None  # rows x columns
+    assert tp.untiled(_blocks((5, 3), [_StridedShard(0, split_factor=2), Shard(0)])) is None  # uneven
     # The other order strides the rows (0, 2 | 1, 3 | ...): no boxes; owner-computes declines.
-    bad = _blocks((8, 4), [Shard(0), _StridedShard(0, split_factor=2)]).untiled()
+    bad = tp.untiled(_blocks((8, 4), [Shard(0), _StridedShard(0, split_factor=2)]))
     assert bad is not None and "do not tile" in bad

@@ -88,14 +88,14 @@ def setup(strategy: str = "single", device: str | None = None, *, replicate: int
     if strategy in TP:
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", str(size)))
         tp = tp or (per_node if strategy == "fsdp+tp" else size)
-        if size % tp or (strategy == "tp" and tp != size):
+        if size % tp:
             raise ValueError(
-                f"strategy='{strategy}': tp={tp} does not "
-                + (
-                    f"divide the {size} ranks; pick a divisor of {size} (dp x tp = ranks)"
-                    if size % tp
-                    else f"cover the {size} ranks; 'tp' runs tensor parallelism over every rank (use 'fsdp+tp' for dp x tp)"
-                )
+                f"strategy='{strategy}': tp={tp} does not divide the {size} ranks; pick a divisor of {size} (dp x tp = ranks)"
+            )
+        if strategy == "tp" and tp != size:
+            raise ValueError(
+                f"strategy='{strategy}': tp={tp} does not cover the {size} ranks; 'tp' runs tensor parallelism over "
+                "every rank (use 'fsdp+tp' for dp x tp)"
             )
     elif tp:
         raise ValueError(f"tp={tp} is tensor parallelism's degree; strategy is {strategy!r}")

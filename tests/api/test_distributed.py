@@ -76,6 +76,22 @@ def test_fsdp2_on_two_ranks_matches_one_process_skips_nan_together_and_resumes_o
         torch.testing.assert_close(resharded.params[k], p.detach(), rtol=1e-3, atol=1e-5)
 
 
+def resumes_like_one_process(tmp_path, saved: str, other: str, strategy: str) -> None:
+    """The 8-step run in `tmp_path / saved`, resumed to step 12 under `strategy` on 2 ranks (in
+    `tmp_path / other`) and in one plain process, equals the single-process run resumed there."""
+    shutil.copytree(tmp_path / saved, tmp_path / other)
+    torchrun(str(tmp_path / other), strategy, "12", "--resume", "--nan-at", "5", nproc=2)
+    resumed = trainer(tmp_path / saved, "steps=12", nan_at=5)  # one plain process
+    resumed.fit(resume=True)
+    ref = trainer(tmp_path / "single", "steps=12", nan_at=5)
+    ref.fit(resume=True)
+    on_ranks = load_checkpoint(tmp_path / other / "checkpoints" / "step_00000012")
+    assert on_ranks.manifest.world_size == 2
+    for k, p in ref.named.items():
+        torch.testing.assert_close(resumed.named[k], p, rtol=1e-3, atol=1e-5)
+        torch.testing.assert_close(on_ranks.params[k], p.detach(), rtol=1e-3, atol=1e-5)
+
+
 def test_hsdp_on_four_ranks_matches_one_process_and_resumes_on_fsdp_and_on_one_process(tmp_path, same_device_as_the_ranks):
     """strategy="hsdp" on a (2 replicas, 2 shards) mesh: the Trainer's sharded update runs
     within each replica, equal to one process; its DCP checkpoint resumes on FSDP2 over 2
@@ -89,17 +105,7 @@ def test_hsdp_on_four_ranks_matches_one_process_and_resumes_on_fsdp_and_on_one_p
     assert hsdp.manifest.layout == "dcp" and hsdp.manifest.world_size == 4
     for k, p in ref.named.items():
         torch.testing.assert_close(hsdp.params[k], p.detach(), rtol=1e-3, atol=1e-5)
-    shutil.copytree(tmp_path / "hsdp", tmp_path / "fsdp2")
-    torchrun(str(tmp_path / "fsdp2"), "fsdp", "12", "--resume", "--nan-at", "5", nproc=2)
-    resumed = trainer(tmp_path / "hsdp", "steps=12", nan_at=5)  # one plain process
-    resumed.fit(resume=True)
-    ref = trainer(tmp_path / "single", "steps=12", nan_at=5)
-    ref.fit(resume=True)
-    on_fsdp = load_checkpoint(tmp_path / "fsdp2" / "checkpoints" / "step_00000012")
-    assert on_fsdp.manifest.world_size == 2
-    for k, p in ref.named.items():
-        torch.testing.assert_close(resumed.named[k], p, rtol=1e-3, atol=1e-5)
-        torch.testing.assert_close(on_fsdp.params[k], p.detach(), rtol=1e-3, atol=1e-5)
+    resumes_like_one_process(tmp_path, "hsdp", "fsdp2", "fsdp")
 
 
 def test_tensor_parallel_on_four_ranks_matches_one_process_and_resumes_across_meshes(tmp_path, same_device_as_the_ranks):
@@ -126,17 +132,7 @@ def test_tensor_parallel_on_four_ranks_matches_one_process_and_resumes_across_me
     # each row counted once, not once per TP rank
     assert saved.manifest.metadata["trainer"]["tokens"] == load_checkpoint(
         tmp_path / "single" / "checkpoints" / "step_00000008").manifest.metadata["trainer"]["tokens"] > 0
-    shutil.copytree(tmp_path / "fsdp_tp", tmp_path / "tp")
-    torchrun(str(tmp_path / "tp"), "tp", "12", "--resume", "--nan-at", "5", nproc=2)
-    resumed = trainer(tmp_path / "fsdp_tp", "steps=12", nan_at=5)  # one plain process
-    resumed.fit(resume=True)
-    ref = trainer(tmp_path / "single", "steps=12", nan_at=5)
-    ref.fit(resume=True)
-    on_tp = load_checkpoint(tmp_path / "tp" / "checkpoints" / "step_00000012")
-    assert on_tp.manifest.world_size == 2
-    for k, p in ref.named.items():
-        torch.testing.assert_close(resumed.named[k], p, rtol=1e-3, atol=1e-5)
-        torch.testing.assert_close(on_tp.params[k], p.detach(), rtol=1e-3, atol=1e-5)
+    resumes_like_one_process(tmp_path, "fsdp_tp", "tp", "tp")
 
 
 def test_tensor_parallel_degrees_and_options_that_do_not_fit_fail_in_one_line(monkeypatch):

@@ -142,14 +142,24 @@ class Optimizer(torch.optim.Optimizer):
                 )
         elif callable(transform) and not isinstance(transform, type):
             self._factory, self._mirror = transform, L.mirrors().get(transform)
+            # torch's own arguments the factory lacks (Adam's `decoupled_weight_decay`), as torch's
+            # users spell them: kept in the groups at the value the factory runs, refused otherwise.
+            torch_only = L.torch_only(transform, self._mirror, hyperparams)
             try:
-                bound = inspect.signature(transform).bind(**hyperparams)
+                bound = inspect.signature(transform).bind(**{k: v for k, v in hyperparams.items() if k not in torch_only})
             except TypeError as e:
                 raise ValueError(f"Optimizer arguments for {_name(transform)}: {e}") from None
             bound.apply_defaults()
-            self._kwargs = dict(bound.arguments)
+            self._kwargs = L.as_numbers(transform, dict(bound.arguments))
             if self._mirror is not None:
                 defaults = L.torch_group(transform, self._mirror, self._kwargs, "Optimizer")
+                for key, value in torch_only.items():
+                    if not L.same(value, defaults[key]):
+                        raise ValueError(
+                            f"Optimizer: {key}={value!r}, but {_name(transform)} runs {self._mirror.cls.__name__}'s "
+                            f"{key}={defaults[key]!r}" + L.instead(transform, key)
+                        )
+                    defaults[key] = value
             else:
                 defaults = {k: v for k, v in self._kwargs.items() if L.is_plain(v)}
         else:

@@ -62,8 +62,15 @@ class Cohort:
         return self._leaves[1]
 
     def step(self) -> Tensor:
-        """Its step count (torch's `step` of each of its params)."""
-        return self.leaves()[self.count_at[0]]
+        """Its step count (torch's `step` of each of its params); for a state that keeps none
+        (SGD without momentum), the updates its group applied, as its schedules count them."""
+        at = self.count_at or self.clock_at
+        if not at:
+            raise ValueError(
+                "this param group's state keeps no step count and no schedule step, so it has no "
+                "per-param `step` to show; pass the transform through ps.inject_hyperparams"
+            )
+        return self.leaves()[at[0]]
 
 
 class Group:

@@ -105,6 +105,22 @@ def torch_group(factory: Callable, mirror: Mirror, kwargs: dict[str, Any], where
     return dict(mirror.cls([dummy], **torch_kwargs).defaults)
 
 
+def torch_only(factory: Callable, mirror: Mirror | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of `kwargs` that `mirror.cls` takes and `factory` does not (by torch's name)."""
+    if mirror is None:
+        return {}
+    ours = set(inspect.signature(factory).parameters) | set(mirror.renames.values())
+    theirs = inspect.signature(mirror.cls).parameters
+    return {k: v for k, v in kwargs.items() if k in theirs and k not in ours and k not in IMPLEMENTATION_KEYS}
+
+
+def instead(factory: Callable, key: str) -> str:
+    """What to use for a torch-only argument the factory cannot run."""
+    if factory is ps.adam and key == "decoupled_weight_decay":
+        return " (Adam with decoupled decay is AdamW: Optimizer(params, ps.adamw, ...))"
+    return f"; pass a built transform for another {key}"
+
+
 def factory_kwargs(factory: Callable, mirror: Mirror | None, group: dict[str, Any], where: str) -> dict[str, Any]:
     """The factory's arguments named by a param group (torch's names accepted)."""
     params = inspect.signature(factory).parameters
@@ -116,7 +132,33 @@ def factory_kwargs(factory: Callable, mirror: Mirror | None, group: dict[str, An
         name = back.get(key, key)
         if name in params:
             out[name] = canonical(key, value)
-    return out  # other keys (timm's "lr_scale", torch's implementation flags) stay in the group, unread
+    return as_numbers(factory, out)  # other keys (timm's "lr_scale", torch's implementation flags) stay, unread
+
+
+def as_numbers(factory: Callable, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` with an int given for a real-valued argument as the float it means.
+
+    torch.optim's users spell defaults as ints (`SGD(params, lr=1, momentum=0, weight_decay=0)`);
+    `ps.inject_hyperparams` keeps ints static, so `momentum=0` would build another transform
+    than `momentum=0.0` (no momentum buffer, no step count) and a scheduler could not set it
+    later. A factory argument is real-valued when its default is a float (or a tuple holding
+    one) or its annotation names `float` or `ScalarOrSchedule`."""
+    params = inspect.signature(factory).parameters
+    return {k: _as_float(v) if k in params and _real(params[k]) else v for k, v in kwargs.items()}
+
+
+def _real(param: inspect.Parameter) -> bool:
+    default = param.default
+    if isinstance(default, tuple):
+        return any(isinstance(d, float) for d in default)
+    annotation = str(param.annotation)
+    return (isinstance(default, float) or "float" in annotation or "Scalar" in annotation) and "int" not in annotation
+
+
+def _as_float(value: Any) -> Any:
+    if isinstance(value, (tuple, list)):
+        return type(value)(_as_float(v) for v in value)
+    return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
 # --------------------------------------------------------------------------- #
@@ -182,18 +224,30 @@ def classify(state: Any, names: list[str]) -> list[Leaf]:
     paths = [p for p, _ in ps.tree_flatten_with_path(state)[0]]
     name_set = set(names)
     out: list[Leaf] = []
+    by_path: dict[int, str] = {}
     for (keys, leaf), path in zip(raw, paths):
         if not isinstance(leaf, Tensor):
             raise ValueError(f"optimizer state leaf '{path}' is {type(leaf).__name__}, not a tensor")
         last = keys[-1] if keys else None
+        # A param's own buffer: keyed by its name, then by positions in a tuple of them (SOAP's
+        # and Kron's per-dimension factors, `gg.<name>.0`), whose key then ends in those positions.
+        at = len(keys) - 1
+        while at > 0 and isinstance(keys[at], pytree.SequenceKey):
+            at -= 1
+        named = isinstance(keys[at], pytree.MappingKey) and keys[at].key in name_set and at > 0 if keys else False
         if any(isinstance(k, pytree.GetAttrKey) and k.name == "hyperparams" for k in keys):
             out.append(Leaf(path, "hyperparam"))
-        elif isinstance(last, pytree.MappingKey) and last.key in name_set and len(keys) > 1:
+        elif named:
+            param = keys[at].key
             owner = state
-            for k in keys[:-2]:
+            for k in keys[: at - 1]:
                 owner = _child(owner, k)
-            field = getattr(keys[-2], "name", None) or path[: -len(last.key) - 1]
-            out.append(Leaf(path, "buffer", last.key, BUFFER_NAMES.get((type(owner), field), field)))
+            positions = "".join(f".{k.idx}" for k in keys[at + 1 :])
+            head = path[: len(path) - len(positions) - len(param) - 1]  # the path up to the param's name
+            field = getattr(keys[at - 1], "name", None) or head
+            key = BUFFER_NAMES.get((type(owner), field), field) if not positions else field + positions
+            out.append(Leaf(path, "buffer", param, key))
+            by_path[len(out) - 1] = head + positions
         elif isinstance(last, pytree.GetAttrKey) and last.name == "count":
             owner = state
             for k in keys[:-1]:
@@ -205,11 +259,11 @@ def classify(state: Any, names: list[str]) -> list[Leaf]:
     for leaf in out:
         if leaf.kind == "buffer":
             seen[(leaf.param, leaf.key)] = seen.get((leaf.param, leaf.key), 0) + 1
+    # Two buffers of a param under one key (two Adams in a chain): each keyed by its whole path
+    # without the param's name.
     return [
-        leaf._replace(key=leaf.path[: -len(leaf.param) - 1])
-        if leaf.kind == "buffer" and seen[(leaf.param, leaf.key)] > 1
-        else leaf
-        for leaf in out
+        leaf._replace(key=by_path[i]) if leaf.kind == "buffer" and seen[(leaf.param, leaf.key)] > 1 else leaf
+        for i, leaf in enumerate(out)
     ]
 
 

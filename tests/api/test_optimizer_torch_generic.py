@@ -18,6 +18,7 @@ class with `compile=True` (what `fused=True` does).
 from __future__ import annotations
 
 import copy
+import inspect
 import io
 
 import pytest
@@ -34,10 +35,17 @@ INFOS = {info.optim_cls.__name__: info for info in optim_db if info.optim_cls.__
 
 
 def _configs(name: str, *, differentiable: bool = False) -> list[dict]:
-    """optim_db's configurations of `name` (its flags included), without the compiling `fused`."""
+    """optim_db's configurations of `name` (its flags included), without the compiling `fused`,
+    and every argument of torch's constructor spelled out at its default, as torch writes them
+    (`momentum=0, weight_decay=0`: ints, and `foreach=None`)."""
     skip = () if differentiable else ("differentiable",)
     inputs = _get_optim_inputs_including_global_cliquey_kwargs("cpu", torch.float32, INFOS[name], skip=skip)
-    return [dict(i.kwargs) for i in inputs if not i.kwargs.get("fused")]
+    spelled = {
+        k: p.default
+        for k, p in inspect.signature(INFOS[name].optim_cls).parameters.items()
+        if k not in ("params", "fused") and p.default is not inspect.Parameter.empty
+    }
+    return [dict(i.kwargs) for i in inputs if not i.kwargs.get("fused")] + [spelled]
 
 
 def _make(name: str, compile: bool | None = None):

@@ -146,7 +146,9 @@ class Optimizer(torch.optim.Optimizer):
             # users spell them: kept in the groups at the value the factory runs, refused otherwise.
             torch_only = L.torch_only(transform, self._mirror, hyperparams)
             try:
-                bound = inspect.signature(transform).bind(**{k: v for k, v in hyperparams.items() if k not in torch_only})
+                bound = inspect.signature(transform).bind(
+                    **{k: v for k, v in hyperparams.items() if k not in torch_only}
+                )
             except TypeError as e:
                 raise ValueError(f"Optimizer arguments for {_name(transform)}: {e}") from None
             bound.apply_defaults()

@@ -155,7 +155,7 @@ def apply_fused(gs, mu, nu, ps_, beta1, beta2, t, eps, a, b) -> bool:
     if b == 0.0 or b != b:
         return False
     lr = -b
-    step = torch.tensor(t, dtype=torch.float32)  # read by the kernel, never advanced by it
+    step = torch.tensor(t, dtype=torch.float32, device=ps_[0].device)  # read by the kernel, never advanced by it
     fused(
         ps_, gs, mu, nu, [], [step] * len(ps_), lr=lr, beta1=beta1, beta2=beta2, weight_decay=(1.0 - a) / lr,
         eps=eps, amsgrad=False, maximize=False, grad_scale=None, found_inf=None,

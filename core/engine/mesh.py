@@ -100,8 +100,11 @@ class ShardInfo:
         replicas: tuple[Any, int, int] | None = None,
         copies: tuple[list[tuple[int, ...]], tuple[int, ...]] | None = None,
         boxes: Any = None,
+        device: torch.device | None = None,
     ) -> None:
         self.group, self.world, self.rank = group, world, rank
+        # Where every payload of its collectives lives: the params' device (NCCL refuses others).
+        self.device = device if device is not None else torch.device("cpu")
         self.slices = slices  # by leaf index (flatten order of the params)
         # HSDP: (the group of this rank's replicas, their number, this rank's index among them)
         self.replica_group: Any
@@ -168,12 +171,23 @@ class ShardInfo:
             return t
         import torch.distributed._functional_collectives as fc
 
-        return fc.wait_tensor(fc.all_reduce(t, "sum", self.group))
+        return fc.wait_tensor(fc.all_reduce(self._on_device(t), "sum", self.group))
 
     def _all_to_all(self, x: Tensor, out_splits: list[int], in_splits: list[int]) -> Tensor:
         import torch.distributed._functional_collectives as fc
 
-        return fc.wait_tensor(fc.all_to_all_single(x, out_splits, in_splits, self.group))
+        return fc.wait_tensor(fc.all_to_all_single(self._on_device(x), out_splits, in_splits, self.group))
+
+    def _on_device(self, t: Tensor) -> Tensor:
+        """`t`, checked to live on the params' device: a payload made elsewhere (a CPU 0-d
+        beside CUDA params) would fail in NCCL, or cost a copy and a sync: a bug to fix where
+        it is made (a static check, free in compiled code)."""
+        if t.device.type != self.device.type:
+            raise RuntimeError(
+                f"purestep internal error: a collective's payload is on {t.device}, the params on {self.device}; "
+                "please report it"
+            )
+        return t
 
     def unit_slice(self, unit: Unit) -> _Slice:
         """How the ranks hold a unit of owner-computes: a leaf index (the whole leaf), or
@@ -438,4 +452,5 @@ def _rows_info(params: Any) -> ShardInfo:
         other = mesh.get_group(1 - dim)
         if torch.distributed.get_world_size(other) > 1:
             replicas = (other, torch.distributed.get_world_size(other), torch.distributed.get_rank(other))
-    return ShardInfo(group, world, rank, [_slice_of(p, x, world, rank) for p, x in pairs], replicas)
+    device = next(x for _, x in pairs if is_dtensor(x)).device
+    return ShardInfo(group, world, rank, [_slice_of(p, x, world, rank) for p, x in pairs], replicas, device=device)

@@ -111,7 +111,7 @@ def global_norm(tree: Any) -> Tensor:
             total = (per * per * torch.tensor(weights, dtype=acc, device=per.device)).sum()
         else:
             parts = [torch.sum(torch.square(x.to(acc))) * w for x, w in zip(xs, weights)]
-            total = torch.stack(parts).sum() if parts else torch.zeros((), dtype=acc)
+            total = torch.stack(parts).sum() if parts else torch.zeros((), dtype=acc, device=shard.device)
         norm = torch.sqrt(shard.all_reduce(total))
     if memo:
         tree.norm_memo = (versions, norm)
@@ -136,7 +136,11 @@ def global_sums(tree: Any, *lists: Sequence[Tensor]) -> list[Tensor]:
         if weights is not None:  # a buffer of replicated leaves is counted on rank 0 only
             sums = [s * w for s, w in zip(sums, weights)]
         parts.append(
-            torch.stack(sums).sum() if sums else torch.zeros((), dtype=acc, device=every[0].device if every else None)
+            torch.stack(sums).sum()
+            if sums
+            else torch.zeros(
+                (), dtype=acc, device=shard.device if shard is not None else (every[0].device if every else None)
+            )
         )
     total = torch.stack(parts)
     if shard is not None:
@@ -149,7 +153,8 @@ def all_finite(tree: Any, xs: Sequence[Tensor]) -> Tensor:
     shard = _shard(tree)
     if shard is None:
         return ls.all_finite(list(xs))
-    return shard.all_reduce(ls.nonfinite_count(list(xs))) == 0
+    count = ls.nonfinite_count(list(xs)) if xs else torch.zeros((), dtype=torch.int64, device=shard.device)
+    return shard.all_reduce(count) == 0
 
 
 def leaf_norms(tree: Any, *lists: Sequence[Tensor]) -> list[Tensor] | list[list[Tensor]]:

@@ -192,11 +192,13 @@ def _agree(ok: bool, params: Any, engine: Any) -> bool:
     # dim in turn, in an order every rank shares: the flag reaches every rank they span, and
     # none beyond (a pipeline stage's meshes leave the other stages out).
     meshes: dict[tuple, Any] = {}
+    device = None  # the params': NCCL takes no CPU tensor
     for x in pytree.tree_leaves(params):
         if is_dtensor(x):
             m = x.device_mesh
             meshes.setdefault((m.mesh_dim_names or (), tuple(m.mesh.shape)), m)
-    flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
+            device = x.device
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int64, device=device)
     for key in sorted(meshes):
         for dim in range(meshes[key].ndim):
             group = meshes[key].get_group(dim)

@@ -193,4 +193,5 @@ def blocks_info(params: Any) -> ShardInfo:
         slices,
         copies=(copies, coordinate),
         boxes=boxes,
+        device=next(x for _, x in pairs if is_dtensor(x)).device,
     )

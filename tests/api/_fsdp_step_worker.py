@@ -9,6 +9,7 @@ Prints one line per case; exits non-zero on the first disagreement.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -42,9 +43,91 @@ CASES = {
         lr=0.02, adamw_lr=0.01, ns_dtype=torch.float32, batch_dims=lambda path, x: int(x.dim() == 3))),
     # Kronecker factors per whole leaf: every rank refits and preconditions whole DTensors
     "kron": lambda: ps.apply_if_finite(ps.kron(0.02, weight_decay=0.1, update_prob=0.5)),
+    # A branch that gets no leaf still reduces (its zero partials made on the params' device).
+    "empty_branch": lambda: ps.apply_if_finite(ps.partition(
+        {"a": ps.chain(ps.clip_by_global_norm(0.05), ps.adamw(0.02, weight_decay=0.1)),
+         "none": ps.chain(ps.clip_by_global_norm(1.0), ps.sgd(0.1))},
+        lambda p: {k: "a" for k in p})),
 }
 WHOLE = ("kron",)  # cases that run on whole DTensors (the per-leaf DTensor path), not this rank's blocks
 COMPILED = ("adamw+clip+skip", "muon_adamw", "normuon_adamw", "prodigy", "normuon_batch_dims")  # compile costs seconds per case
+
+
+class Payloads:
+    """Every collective of an update, checked (issue 39): its tensors lie on the params' device
+    (NCCL refuses a CPU tensor), and no object collective runs inside a step.
+
+    The params are on the CPU here, so a payload made without `device=` would pass unseen: the
+    updates run with "meta" as the default device (`torch.device("meta")`), where such a payload
+    lands on meta and is named. Wraps torch.distributed's and its functional collectives (the
+    engine's, DTensor's), in eager code and, at trace time, in compiled code."""
+
+    TENSOR_OPS = {
+        dist: ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single",
+               "broadcast", "reduce", "all_to_all"),
+    }
+    OBJECT_OPS = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
+
+    def __init__(self, device: str) -> None:
+        import torch.distributed._functional_collectives as fc
+
+        self.device, self.bad, self.seen, self.in_step = device, [], 0, False
+        ops = [(dist, n) for n in self.TENSOR_OPS[dist]] + [
+            (fc, n) for n in ("all_reduce", "all_to_all_single", "all_gather_tensor", "reduce_scatter_tensor",
+                              "all_reduce_coalesced", "all_gather_into_tensor_coalesced")
+        ]
+        for module, name in ops:
+            if hasattr(module, name):
+                setattr(module, name, self._checked(getattr(module, name), f"{module.__name__}.{name}"))
+        for name in self.OBJECT_OPS:
+            setattr(dist, name, self._refused(getattr(dist, name), f"torch.distributed.{name}"))
+
+    def _checked(self, fn, name):
+        def checked(*args, **kwargs):
+            if self.in_step:
+                for t in [*args, *kwargs.values()]:
+                    for x in t if isinstance(t, (list, tuple)) else [t]:
+                        if isinstance(x, torch.Tensor):
+                            self.seen += 1
+                            if x.device.type != self.device:
+                                self.bad.append(f"{name} was handed a tensor on {x.device}")
+            return fn(*args, **kwargs)
+
+        return checked
+
+    def _refused(self, fn, name):
+        def refused(*args, **kwargs):
+            if self.in_step:
+                self.bad.append(f"{name} inside a step")
+            return fn(*args, **kwargs)
+
+        return refused
+
+    def step(self, off_device: bool):
+        """A context for one update; `off_device`: with "meta" as the default device."""
+        import contextlib
+
+        payloads = self
+
+        @contextlib.contextmanager
+        def inside():
+            payloads.in_step = True
+            try:
+                with torch.device("meta") if off_device else contextlib.nullcontext():
+                    yield
+            except Exception as e:  # what the misplaced payload broke next (a meta flag read)
+                if payloads.bad:
+                    raise AssertionError("; ".join(sorted(set(payloads.bad)))) from e
+                raise
+            finally:
+                payloads.in_step = False
+            if payloads.bad:
+                raise AssertionError("; ".join(sorted(set(payloads.bad))))
+
+        return inside()
+
+
+PAYLOADS: Payloads | None = None
 
 
 class Experts(torch.nn.Module):
@@ -97,7 +180,9 @@ def run(name: str, compile: bool, flat: bool = True, mesh=None) -> float:
             ref_grads["0.weight"][4, 0] = float("nan")
             if rank == 1:
                 grads["0.weight"].to_local()[1, 0] = float("nan")
-        metrics = update(params, grads, state)[-1]
+        # The per-leaf path's own probes (kron's seeds) follow the default device: only the payloads' check there.
+        with PAYLOADS.step(off_device=name not in WHOLE and flat) if PAYLOADS is not None else contextlib.nullcontext():
+            metrics = update(params, grads, state)[-1]
         if bool(metrics["skipped"]) != (step == 2):
             raise AssertionError(f"{name} compile={compile} step {step}: skipped={bool(metrics['skipped'])}")
         if step != 2 and not torch.allclose(metrics["grad_norm"], ps.tree_global_norm(ref_grads), rtol=1e-5):
@@ -228,6 +313,8 @@ def main() -> None:
     if sys.argv[1:] == ["hsdp"]:
         return main_hsdp()
     dist.init_process_group("gloo")
+    global PAYLOADS
+    PAYLOADS = Payloads("cpu")
     for name in CASES:
         for compile in (False, True) if name in COMPILED else (False,):
             worst = run(name, compile)
@@ -237,6 +324,8 @@ def main() -> None:
     worst = run("adamw+clip+skip", False, flat=False)
     if dist.get_rank() == 0:
         print(f"ok per-leaf-DTensor compile=False max_err={worst:.2e}", flush=True)
+    if dist.get_rank() == 0:
+        print(f"ok payloads checked: {PAYLOADS.seen} tensors, all on the params' device", flush=True)
     dist.barrier()  # no rank leaves while another still talks to it (gloo aborts at exit otherwise)
     dist.destroy_process_group()
     leave(0)  # as the purestep command ends a torchrun rank

@@ -5,7 +5,8 @@ sizes) with AdamW, LAMB (trust-ratio
 norms), AGC, cautious AdamW (per-leaf counts), Prodigy (tree-wide sums), MARS (per-leaf
 norms), ADOPT/LaProp/AdamC, Muon and NorMuon with batched expert leaves (each rank its own experts), `apply_if_finite` skipping on every rank when one rank's grad block holds a
 NaN, uneven blocks and a rank holding an empty one, compiled and eager, and a forward after
-the update (FSDP2 all-gathers the updated params). Resumes across world sizes run through the
+the update (FSDP2 all-gathers the updated params), and every collective's payload on the
+params' device with no object collective inside a step (`Payloads`: NCCL refuses CPU tensors). Resumes across world sizes run through the
 Trainer in tests/api/test_distributed.py.
 """
 
@@ -33,7 +34,8 @@ def test_sharded_update_on_two_fsdp2_ranks_equals_one_process():
         ["prodigy", "compile=False"], ["prodigy", "compile=True"], ["mars", "compile=False"],
         ["adopt/laprop/adamc", "compile=False"], ["muon_batch_dims", "compile=False"], ["muon_split", "compile=False"],
         ["normuon_batch_dims", "compile=False"], ["normuon_batch_dims", "compile=True"],
-        ["kron", "compile=False"], ["per-leaf-DTensor", "compile=False"],
+        ["kron", "compile=False"], ["empty_branch", "compile=False"], ["per-leaf-DTensor", "compile=False"],
+        ["payloads", "checked:"],
     ], out.stdout
 
 

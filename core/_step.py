@@ -140,13 +140,17 @@ class UpdateProgram:
             step_metrics["skipped"] = skipped | step_metrics["skipped"] if "skipped" in step_metrics else skipped
         return out + (step_metrics,)
 
-    def in_place(self, params, grads, opt_state, ema_state=None, amp=None, extra=None):
+    def in_place(self, params, grads, opt_state, ema_state=None, amp=None, extra=None, defer_scalars=False):
+        """`pure`, copied into the inputs; `defer_scalars`: -> (result, the 0-d leaves' copies
+        left to the caller, see `donate.copy_scalars`)."""
         out = self.pure(params, grads, opt_state, ema_state, amp, extra)
-        copy_into(params, out[0], "params")
-        copy_into(opt_state, out[1], "opt_state")
+        deferred: list | None = [] if defer_scalars else None
+        copy_into(params, out[0], "params", deferred)
+        copy_into(opt_state, out[1], "opt_state", deferred)
         if self.averaging is not None:
-            copy_into(ema_state, out[2], "ema_state")
-        return out[-1] if self.metrics else None
+            copy_into(ema_state, out[2], "ema_state", deferred)
+        result = out[-1] if self.metrics else None
+        return (result, deferred) if defer_scalars else result
 
     def eager(self, params, grads, opt_state, ema_state=None, amp=None, extra=None):
         # Uncompiled donation: the update goes into the params in place (`apply_in_place`:
@@ -229,13 +233,14 @@ class StepProgram:
         new_params, new_state, updates = _apply(self.transform, params, grads, opt_state)
         return new_params, new_state, self.metrics_of(loss, grads, aux, updates, new_state), buffers
 
-    def in_place(self, params, opt_state, batch, buffers=None, with_buffers=False):
+    def in_place(self, params, opt_state, batch, buffers=None, with_buffers=False, defer_scalars=False):
         new_params, new_state, metrics, new_buffers = self.pure(params, opt_state, batch, buffers, with_buffers)
-        copy_into(params, new_params, "params")
-        copy_into(opt_state, new_state, "opt_state")
+        deferred: list | None = [] if defer_scalars else None
+        copy_into(params, new_params, "params", deferred)
+        copy_into(opt_state, new_state, "opt_state", deferred)
         if with_buffers:
-            copy_into(buffers, new_buffers, "buffers")
-        return metrics
+            copy_into(buffers, new_buffers, "buffers", deferred)
+        return (metrics, deferred) if defer_scalars else metrics
 
     def eager(self, params, opt_state, batch, buffers=None, with_buffers=False):
         # Uncompiled donation, as make_update's: p += u in place and the state leaves adopt

@@ -7,6 +7,7 @@ compile (`compiling`) and the DTensor helpers (`dtensor`)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Protocol
 
 import torch
@@ -17,6 +18,7 @@ from .. import _tree as tr
 from .._base import Params, PyTree
 from . import sharded as _sharded
 from .compiling import compile_per_leaf
+from .donate import copy_scalars
 from .dtensor import has_dtensors
 from .flat import FlatStep, FlatUpdate
 from .per_leaf import PerLeaf
@@ -93,7 +95,9 @@ class Engine:
             make: dict[str, Callable[[], Runner]] = {
                 "flat": lambda: FlatUpdate(p) if p.kind == "update" else FlatStep(p),
                 "sharded": lambda: ShardedUpdate(p) if self.compile else ShardedEager(p),
-                "per-leaf compiled": lambda: PerLeaf(compile_per_leaf(p.in_place)),
+                "per-leaf compiled": lambda: PerLeaf(
+                    copy_scalars(compile_per_leaf(functools.partial(p.in_place, defer_scalars=True)))
+                ),
                 "eager in place": lambda: PerLeaf(p.eager),
                 # eager: dynamo does not trace copies into DTensors (a step program's own form)
                 "per-leaf DTensor": lambda: PerLeaf(

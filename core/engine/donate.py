@@ -23,7 +23,7 @@ inductor turns into stores of the fused kernel).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.utils._pytree as pytree
@@ -36,8 +36,10 @@ from .dtensor import is_dtensor
 from .packed import is_packed
 
 
-def copy_into(dst_tree: PyTree, src_tree: PyTree, what: str) -> None:
-    """Write each leaf of `src_tree` into the same leaf of `dst_tree` (donation)."""
+def copy_into(dst_tree: PyTree, src_tree: PyTree, what: str, defer: list | None = None) -> None:
+    """Write each leaf of `src_tree` into the same leaf of `dst_tree` (donation). `defer`: a
+    list that takes the `(dst, src)` pairs of 0-d leaves instead, for the caller to copy
+    after a compiled program (see `copy_scalars`)."""
     dst, dst_spec = pytree.tree_flatten(dst_tree)
     src, src_spec = pytree.tree_flatten(src_tree)
     if dst_spec != src_spec:
@@ -46,6 +48,9 @@ def copy_into(dst_tree: PyTree, src_tree: PyTree, what: str) -> None:
             f"{dst_spec} into {src_spec}"
         )
     pairs = [(d, s) for d, s in zip(dst, src) if isinstance(d, Tensor) and d is not s]
+    if defer is not None:
+        defer += [(d, s) for d, s in pairs if d.dim() == 0]
+        pairs = [(d, s) for d, s in pairs if d.dim() != 0]
     if not pairs:
         return
     with torch.no_grad():
@@ -58,6 +63,22 @@ def copy_into(dst_tree: PyTree, src_tree: PyTree, what: str) -> None:
                 if is_dtensor(s):  # a reduction's result may be Partial, or a DTensor for a plain leaf
                     s = s.redistribute(d.device_mesh, d.placements) if is_dtensor(d) else s.full_tensor()  # type: ignore[attr-defined]
                 d.copy_(s)
+
+
+def copy_scalars(program: Callable) -> Callable:
+    """`program` (a compiled `in_place` form run with `defer_scalars=True`), then its 0-d
+    leaves copied in, uncompiled: inductor (2.13) drops a `copy_` into a 0-d float64 CPU
+    input (a schedule's stored value stayed its first) and may order a count's store before a
+    read of the old count; counts and hyperparameters copied after the program are always right."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        out, deferred = program(*args, **kwargs)
+        if deferred:
+            with torch.no_grad():
+                torch._foreach_copy_([d for d, _ in deferred], [s for _, s in deferred])
+        return out
+
+    return run
 
 
 def _storages(*trees: Any) -> set[int]:

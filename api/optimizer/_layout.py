@@ -234,15 +234,16 @@ def classify(state: Any, names: list[str]) -> list[Leaf]:
         at = len(keys) - 1
         while at > 0 and isinstance(keys[at], pytree.SequenceKey):
             at -= 1
-        named = isinstance(keys[at], pytree.MappingKey) and keys[at].key in name_set and at > 0 if keys else False
+        mapped = keys[at] if keys else None
+        named = isinstance(mapped, pytree.MappingKey) and mapped.key in name_set and at > 0
         if any(isinstance(k, pytree.GetAttrKey) and k.name == "hyperparams" for k in keys):
             out.append(Leaf(path, "hyperparam"))
-        elif named:
-            param = keys[at].key
+        elif named and isinstance(mapped, pytree.MappingKey):
+            param = mapped.key
             owner = state
             for k in keys[: at - 1]:
                 owner = _child(owner, k)
-            positions = "".join(f".{k.idx}" for k in keys[at + 1 :])
+            positions = "".join(f".{getattr(k, 'idx')}" for k in keys[at + 1 :])
             head = path[: len(path) - len(positions) - len(param) - 1]  # the path up to the param's name
             field = getattr(keys[at - 1], "name", None) or head
             key = BUFFER_NAMES.get((type(owner), field), field) if not positions else field + positions

@@ -249,7 +249,7 @@ def _stage(layout: str, state: dict[str, Tensor], world: D.World, cache: dict) -
         host = _create_cpu_state_dict(state, pin_memory=pin)
         for k, t in host.items():  # torch's helper hands some tensors back as they are (0-d DTensors)
             if t is state[k]:
-                host[k] = t.detach().clone()
+                host[k] = t.detach().clone().to("cpu")  # in host memory: the writer thread never reads the device
         cache.clear()
         cache.update(key=key, host=host)
     _copy_state_dict(state, cache["host"])

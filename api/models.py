@@ -6,6 +6,7 @@ Names follow the conventions `ps.muon_labels` and `ps.decay_mask` read: `embed.*
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Any, cast
 
@@ -110,9 +111,17 @@ class GPT(nn.Module):
         mlp_ratio: float = 8 / 3,
     ) -> None:
         super().__init__()
+        sizes = dict(vocab_size=vocab_size, dim=dim, n_layers=n_layers, n_heads=n_heads, seq_len=seq_len)
+        for name, value in sizes.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a whole number >= 1")
+        if isinstance(mlp_ratio, bool) or not isinstance(mlp_ratio, (int, float)) or not mlp_ratio > 0:
+            raise ValueError(f"mlp_ratio={mlp_ratio!r} must be a number > 0")
         if dim % n_heads or (dim // n_heads) % 2:
             raise ValueError(f"model.dim={dim} must split into n_heads={n_heads} heads of even size")
         hidden = int(mlp_ratio * dim + 63) // 64 * 64
+        if hidden == 0:
+            raise ValueError(f"mlp_ratio={mlp_ratio!r} leaves the MLP no hidden unit at dim={dim} (it rounds to 64s)")
         self.vocab_size, self.dim, self.n_layers, self.seq_len = vocab_size, dim, n_layers, seq_len
         self.embed = nn.Embedding(vocab_size, dim)
         self.blocks = nn.ModuleList(Block(dim, n_heads, hidden) for _ in range(n_layers))
@@ -246,6 +255,10 @@ def build_model(section: Any) -> GPT:
         raise ConfigError("model.vocab_size", f"{section.vocab_size} is too small for byte tokens (needs 256)")
     if section.dropout:
         raise ConfigError("model.dropout", "the GPT has no dropout; set it to 0")
+    takes = [n for n in inspect.signature(GPT).parameters if n not in _SECTION_FIELDS.values()]
+    for arg in section.kwargs:
+        if arg not in takes:
+            raise ConfigError(f"model.kwargs.{arg}", f"the GPT takes no {arg!r} (model.kwargs may set {takes})")
     try:
         return GPT(
             vocab_size=section.vocab_size,
@@ -256,4 +269,14 @@ def build_model(section: Any) -> GPT:
             **section.kwargs,
         )
     except (TypeError, ValueError, RuntimeError) as e:  # RuntimeError: a size no tensor can take
-        raise ConfigError("model.kwargs" if section.kwargs else "model", " ".join(str(e).split())) from None
+        message = " ".join(str(e).split())
+        # The field the message names first: a kwarg, or a section field under GPT's name for it.
+        named = [(message.find(f"{a}="), f"model.kwargs.{a}") for a in section.kwargs]
+        named += [(message.find(f"{arg}="), f"model.{field}") for field, arg in _SECTION_FIELDS.items()]
+        found = sorted((at, field) for at, field in named if at >= 0)
+        raise ConfigError(found[0][1] if found else "model", message) from None
+
+
+# The model section's fields, by the GPT argument each one sets.
+_SECTION_FIELDS = {"vocab_size": "vocab_size", "n_embd": "dim", "n_layer": "n_layers", "n_head": "n_heads",
+                   "block_size": "seq_len"}  # fmt: skip

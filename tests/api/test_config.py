@@ -415,3 +415,22 @@ def test_a_mask_labels_or_batch_dims_kwarg_of_the_wrong_kind_names_the_field_and
         with pytest.raises(ConfigError) as e:
             load_config(path).build_optimizer()
         assert e.value.field == f"optimizer.kwargs.{key}" and str(path) in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field, says",
+    [
+        ({"mlp_ratio": -10}, "model.kwargs.mlp_ratio", "mlp_ratio=-10 must be a number > 0"),
+        ({"mlp_ratio": 1e-4}, "model.kwargs.mlp_ratio", "no hidden unit"),
+        ({"n_layer": 2}, "model.kwargs.n_layer", "takes no 'n_layer'"),
+        ({"dim": 64}, "model.kwargs.dim", "takes no 'dim'"),  # the section's own n_embd sets it
+    ],
+)
+def test_a_bad_model_kwarg_names_its_own_field(kwargs, field, says):
+    from purestep.api.models import build_model
+
+    with pytest.raises(ConfigError) as e:
+        build_model(TrainConfig().model.__class__(kwargs=kwargs))
+    assert e.value.field == field and says in e.value.message, (e.value.field, e.value.message)
+    with pytest.raises(ConfigError, match="model.n_embd: .*n_heads=4"):  # a section field under the GPT's name
+        build_model(TrainConfig().model.__class__(n_head=4, n_embd=6))

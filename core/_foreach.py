@@ -17,6 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from . import _compat as compat
 from ._base import coefficient
 
 Scalar = float | Tensor
@@ -36,6 +37,11 @@ def use_foreach(xs: Sequence[Tensor], *scalars: Scalar) -> bool:
 
 
 _PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def _runs(xs: Sequence[Tensor], op: Any) -> bool:
+    """Whether foreach `op` runs on `xs`: plain tensors, or DTensors with a sharding rule for it."""
+    return type(xs[0]) in _PLAIN or torch.compiler.is_compiling() or compat.dtensor_runs(op)
 
 
 def _one_mesh(xs: Sequence[Tensor]) -> bool:
@@ -338,7 +344,7 @@ def lincomb(a: Scalar, xs: list[Tensor], b: Scalar, ys: list[Tensor]) -> list[Te
 
 def ema(ms: list[Tensor], xs: list[Tensor], decay: Scalar) -> list[Tensor]:
     """decay·m + (1 - decay)·x."""
-    if use_foreach(ms) and not isinstance(decay, Tensor):
+    if use_foreach(ms) and not isinstance(decay, Tensor) and _runs(ms, torch.ops.aten._foreach_lerp.Scalar):
         return list(torch._foreach_lerp(ms, xs, 1.0 - decay))
     return lincomb(decay, ms, _coef(1.0 - decay, xs), xs)
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from . import _compat as compat
 from . import _tree as tr
 from ._base import Params, Transform, leaf_device, require_params, zero_count
 from .engine.needs import Needs, with_needs
@@ -99,18 +100,61 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _NARROW = (torch.bfloat16, torch.float16) + _FP8
 
 
+def _bit_views() -> bool:
+    """Whether float32 <-> int32 bit views may run here: not under vmap on a torch without
+    their batching rule (`compat.VMAP_BITCASTS`), where the same roundings run arithmetically.
+    Compiled code takes the bit views (Dynamo before 2.12 reports a functorch level while it
+    traces any function, so `under_vmap` cannot tell there)."""
+    return compat.VMAP_BITCASTS or torch.compiler.is_compiling() or not compat.under_vmap()
+
+
 def _pow2(k: Tensor) -> Tensor:
     """2^k as float32, exactly, for int32 k in [-126, 127] (built from the exponent bits)."""
+    if not _bit_views():
+        return torch.pow(torch.full_like(k, 2, dtype=torch.float32), k.to(torch.float32))
     return ((k + 127) << 23).view(torch.float32)
+
+
+def _exponent(x: Tensor) -> Tensor:
+    """e with x = m·2^e, |m| in [0.5, 1), as int32 (float32 x; below the normal range, and
+    for 0, inf and NaN, a value every caller clamps or never reads)."""
+    if not _bit_views():
+        return torch.frexp(x)[1].to(torch.int32)
+    return ((x.view(torch.int32) >> 23) & 0xFF) - 126
+
+
+def round_to_bf16(x: Tensor) -> Tensor:
+    """float32 `x` rounded to bf16's values (to nearest, ties to even), kept in float32: what
+    `x.to(torch.bfloat16).to(torch.float32)` gives, in integer bit operations compiled code
+    cannot fuse away (inductor before 2.12 drops such a cast round trip after a matmul)."""
+    return _round_bf16(x, None)
 
 
 def _round_bf16(x: Tensor, bits: Tensor | None) -> Tensor:
     # bf16 is float32's upper half: adding 16 uniform bits below the cut and truncating
     # rounds up with probability exactly (dropped bits) / 2^16; adding 0x7FFF plus the
     # lowest kept bit rounds to nearest, ties to even.
+    if not _bit_views():
+        return _round_bf16_arithmetic(x, bits)
     b = x.view(torch.int32)
     noise = ((b >> 16) & 1) + 0x7FFF if bits is None else bits
     rounded = ((b + noise) & -65536).view(torch.float32)
+    return torch.where(torch.isfinite(x), rounded, x)
+
+
+def _round_bf16_arithmetic(x: Tensor, bits: Tensor | None) -> Tensor:
+    # The same rounding without bit views: |x| = (below + dropped / 2^16)·spacing with
+    # spacing bf16's in x's binade (fixed below the normal range), exact in float64; it
+    # rounds up when bits + dropped reaches 2^16, as the carry out of the dropped bits does.
+    if bits is None:
+        return torch.where(torch.isfinite(x), x.to(torch.bfloat16).to(torch.float32), x)
+    magnitude = x.abs().to(torch.float64)
+    exponent = torch.clamp(torch.frexp(x)[1], min=-125).to(torch.float64)
+    spacing = torch.pow(torch.full_like(magnitude, 2.0), exponent - 8)
+    scaled = magnitude / spacing
+    below = torch.floor(scaled)
+    up = bits.to(torch.float64) + (scaled - below) * 65536 >= 65536
+    rounded = torch.copysign(((below + up.to(torch.float64)) * spacing).to(torch.float32), x)
     return torch.where(torch.isfinite(x), rounded, x)
 
 
@@ -123,7 +167,7 @@ def _round_grid(x: Tensor, dtype: torch.dtype, bits: Tensor | None) -> Tensor:
     emin = round(math.log2(info.tiny))  # exponent of the smallest normal
     if dtype in _FP8:
         x = x.clamp(-info.max, info.max)  # fp8 saturates (e4m3fn has no inf)
-    exponent = ((x.view(torch.int32) >> 23) & 0xFF) - 126  # x = m·2^exponent, |m| in [0.5, 1)
+    exponent = _exponent(x)  # x = m·2^exponent, |m| in [0.5, 1)
     exponent = torch.clamp(exponent, min=emin + 1)  # below the normal range the spacing stays fixed
     scaled = x * _pow2(mantissa + 1 - exponent)  # x / spacing, exact
     below = torch.floor(scaled)

@@ -110,7 +110,9 @@ def split_rule(split: Any, batch_dims: Any) -> Rule:
                 )
         return out
 
-    return Rule(f"split:{id(batch_dims)}", split, per_leaf)
+    # Known by the batch-dims rule it reads too; an int names itself (Dynamo before 2.12 cannot trace id() of one).
+    by = batch_dims if isinstance(batch_dims, int) else id(batch_dims)
+    return Rule(f"split:{by}", split, per_leaf)
 
 
 def _is_sizes(v: Any) -> bool:

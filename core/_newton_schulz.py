@@ -9,6 +9,8 @@ from typing import Any, Sequence, Union
 import torch
 from torch import Tensor
 
+from ._low_precision import round_to_bf16
+
 
 # torch.optim.Muon's quintic Newton-Schulz coefficients (from Keller Jordan's Muon), used every iteration.
 NS5_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -79,7 +81,15 @@ def _orthogonalize_batch(
     With `round_to`, x is float32 and every result is rounded to `round_to` (bf16), which
     is what a bf16 matmul with float32 accumulation computes, at float32 matmul speed.
     """
-    r = (lambda t: t) if round_to is None else (lambda t: t.to(round_to).to(t.dtype))  # noqa: E731
+    # bf16 rounding in integer bit operations: compiled code keeps it (inductor before 2.12
+    # fuses a cast round trip after a matmul away, `compat.EMULATES_PRECISION_CASTS`).
+    r = (
+        (lambda t: t)
+        if round_to is None
+        else round_to_bf16
+        if round_to == torch.bfloat16
+        else (lambda t: t.to(round_to).to(t.dtype))
+    )  # noqa: E731
     norm = r(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True))  # (N, 1, 1)
     if safety != 1.0:
         norm = r(norm * safety)
@@ -134,12 +144,15 @@ def orthogonalize_leaves(
         groups.setdefault((tuple(mats[-1].shape[1:]), m.device, layout), []).append(i)
     out: list[Tensor | None] = [None] * len(xs)
     for (_, device, _), idx in groups.items():
-        parts = [mats[i].to(dtype) for i in idx]
-        batch = parts[0] if len(parts) == 1 else torch.cat(parts)  # (N, rows, cols)
         round_to = None
         emulate = emulate_bf16 if emulate_bf16 is not None else device.type == "cpu" and not CPU_BF16_MATMUL
         if dtype == torch.bfloat16 and emulate:
-            batch, round_to = batch.float(), dtype
+            round_to = dtype  # float32 holding bf16 values (rounded by bit operations: compiled code keeps them)
+        as_bf16 = round_to is not None and all(mats[i].dtype == torch.float32 for i in idx)
+        parts = [mats[i] if as_bf16 else mats[i].to(dtype) for i in idx]
+        batch = parts[0] if len(parts) == 1 else torch.cat(parts)  # (N, rows, cols)
+        if round_to is not None:
+            batch = round_to_bf16(batch) if as_bf16 else batch.float()
         result = _orthogonalize_batch(batch, coefficients, safety, eps, round_to)
         for i, o in zip(idx, result.split([mats[i].shape[0] for i in idx])):
             o = o.mT if flipped[i] else o

@@ -37,6 +37,8 @@ for version in "$@"; do
         PIP_CONFIG_FILE=/dev/null "$venv/bin/python" -m pip install -q "torch==$version" -r "$venv/requirements.txt"
         PIP_CONFIG_FILE=/dev/null "$venv/bin/python" -m pip install -q -e . "torch==$version"
     fi
+    # This checkout, whichever one the venv was made from (an editable install points at one tree).
+    PIP_CONFIG_FILE=/dev/null "$venv/bin/python" -m pip install -q --no-deps -e .
     echo "== torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)') in $venv"
     "$venv/bin/python" -m pytest -q -p no:cacheprovider -rfE --junitxml="$root/torch-$version.xml" \
         > "$root/torch-$version.log" 2>&1 || true

@@ -6,21 +6,24 @@ import types
 from typing import Any, Callable
 
 import torch
-import torch._inductor.config as _inductor_config
+
+from .. import _compat as compat
 
 # Inductor inlines 0-d scalar math (bias corrections, schedules) into every element's
 # loop; realizing any reused expression of more than a few ops computes it once instead
 # (on CPU an inlined `pow` per vector made the AdamW step ~10x slower).
 _INDUCTOR_OPTIONS: dict[str, Any] = {"realize_opcount_threshold": 4}
-# torch < 2.12 asserts in `ForeachKernelSchedulerNode.reorder_loops_by_dep_pair` when foreach
-# ops meet per-tensor reductions over tensors of several shapes, as in Muon's graph on CUDA
-# (pytorch/pytorch#176591, fixed by #176849): loop reordering after fusion stays off there.
-if torch.torch_version.TorchVersion(torch.__version__) < (2, 12):  # type: ignore[operator]
+# Inductor before 2.12 asserts in `ForeachKernelSchedulerNode.reorder_loops_by_dep_pair` when
+# foreach ops meet per-tensor reductions over tensors of several shapes, as in Muon's graph on
+# CUDA (pytorch/pytorch#176591, fixed by #176849; no cheap probe finds it): on a machine with
+# CUDA, loop reordering after fusion stays off on every release (the CUDA results were measured
+# so). An optimizer step's loops are flat or per-leaf elementwise: there is little to reorder.
+if torch.cuda.is_available():
     _INDUCTOR_OPTIONS["loop_ordering_after_fusion"] = False
 # Keep a narrowing cast's rounding where the compiled code rounds and widens again (Muon's
 # bf16 emulation, low-precision moments read back): without it inductor fuses the round
 # trip away and the compiled step silently differs from the eager one.
-if hasattr(_inductor_config, "emulate_precision_casts"):
+if compat.EMULATES_PRECISION_CASTS:
     _INDUCTOR_OPTIONS["emulate_precision_casts"] = True
 # Per device type, for the flat and sharded paths. There the per-step scalars are realized
 # by `ps.once` where they are computed (bias corrections, schedules, the clip factor), and

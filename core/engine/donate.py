@@ -29,6 +29,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from .. import _compat as compat
 from .. import _foreach as ls
 from .. import _tree as tr
 from .._base import PyTree
@@ -227,13 +228,13 @@ def write_back(dst: Any, src: Any) -> None:
 def move_storage(user: Tensor, view: Tensor, room: int) -> bool:
     """Move the memory behind `user`'s storage into the buffer at `view` (values copied
     first), so every tensor on that storage reads and writes the buffer from now on.
-    False (nothing done) when the storage is not `user`'s alone from its start, or needs
-    more than `room` bytes from `view` on."""
+    False (nothing done) when the storage is not `user`'s alone from its start, needs more
+    than `room` bytes from `view` on, or this torch cannot move storage (`compat.SWAPS_STORAGE`)."""
     storage = user.untyped_storage()
-    if user.storage_offset() != 0 or storage.nbytes() > room or user.numel() == 0:
+    if not compat.SWAPS_STORAGE or user.storage_offset() != 0 or storage.nbytes() > room or user.numel() == 0:
         return False
     with torch.no_grad():
         view.copy_(user)
     spare = torch._C._construct_storage_from_data_pointer(view.data_ptr(), view.device, storage.nbytes())
-    storage._swap_data_ptr_(spare)  # type: ignore[attr-defined]  # `spare` now owns the old memory and frees it when dropped
+    compat.swap_storage(storage, spare)  # `spare` now owns the old memory and frees it when dropped
     return True

@@ -54,7 +54,10 @@ class FlatUpdate:
     function of trees, is what runs compiled over the buffers."""
 
     grads_in = True  # grads come from the caller (make_step computes its own)
-    static_compile = False  # see `compile_own`: the sharded update compiles static
+    # See `compile_own`: an update's buffers never change size, so it compiles static (Dynamo's
+    # sizes remembered from another update would otherwise make its shape arithmetic symbolic:
+    # before 2.12, NorMuon's per-matrix scales came out wrong then). make_step's batches do.
+    static_compile = True
 
     def __init__(self, program: Any) -> None:
         self.transform, self.pure, self.averaging = program.transform, program.pure, program.averaging
@@ -253,6 +256,7 @@ class FlatStep(FlatUpdate):
     is make_step's pure step, which accepts packed params."""
 
     grads_in = False
+    static_compile = False  # its batches change shape
 
     def _compile(self, specs: list[pytree.TreeSpec], device: torch.device) -> Callable:
         pure, p_spec, s_spec = self.pure, specs[0], specs[2]

@@ -56,7 +56,7 @@ from .packed import STACK, NotPacked, PackSpec, group_leaves, rule_on, select_sp
 
 class Rule(NamedTuple):
     """A per-leaf rule: `values(tree)` gives one hashable value per leaf of `tree`. Known by
-    `(what, id(source))`, so a transform rebuilt from the same arguments (as
+    `(what, id(source))` (a constant source by its value), so a transform rebuilt from the same arguments (as
     `inject_hyperparams` does each step) reads the values planned for the first."""
 
     what: str  # "mask", "labels", "multipliers", "batch_dims", ...
@@ -64,8 +64,10 @@ class Rule(NamedTuple):
     values: Callable[[Any], Sequence[Any]]
 
     @property
-    def key(self) -> tuple[str, int]:
-        return (self.what, id(self.source))
+    def key(self) -> tuple[str, Any]:
+        # A constant names itself: Dynamo before 2.12 cannot trace id() of an int.
+        constant = self.source is None or isinstance(self.source, (bool, int, float, str))
+        return (self.what, ("=", self.source) if constant else id(self.source))
 
 
 @dataclasses.dataclass(frozen=True)

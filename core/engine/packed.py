@@ -240,12 +240,18 @@ def rule_per_group(packed: Packed, rule: Any) -> list[Any]:
 
 
 def rule_on(spec: PackSpec, rule: Any) -> list[Any]:
-    table = spec.rule_values.get(rule.key)
-    if table is None:
-        raise ValueError(
-            f"a per-leaf rule ({rule.what}) read on flat buffers that its transform did not declare (Needs(rules=...))"
-        )
-    return resolved_on(spec, ("rule", rule.key), lambda: [table[g.members[0].index] for g in spec.groups])
+    key = rule.key
+    if key not in spec.rule_values:
+        # Traced by Dynamo before 2.12, id() of a callable source is not the planner's: the one
+        # declared rule of that name is this one.
+        named = [k for k in spec.rule_values if k[0] == rule.what]
+        if len(named) != 1:
+            raise ValueError(
+                f"a per-leaf rule ({rule.what}) read on flat buffers that its transform did not declare (Needs(rules=...))"
+            )
+        key = named[0]
+    table = spec.rule_values[key]
+    return resolved_on(spec, ("rule", key), lambda: [table[g.members[0].index] for g in spec.groups])
 
 
 def check_whole_leaves(tree: Any, what: str) -> None:

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from .. import _compat as compat
 from .. import _tree as tr
 from .dtensor import is_dtensor
 from .mesh import ShardInfo, _Slice
@@ -94,8 +95,6 @@ class Boxes:
     def of(self, i: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         """Leaf `i`'s block on each rank: (offsets, shape) in the whole leaf."""
         if i not in self._boxes:
-            from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset as box
-
             x = self.leaves[i]
             if not is_dtensor(x):
                 self._boxes[i] = [((0,) * x.dim(), tuple(x.shape))] * len(self.coords)
@@ -103,7 +102,7 @@ class Boxes:
                 shape, dims = tuple(x.device_mesh.shape), self.dims[i]
                 self._boxes[i] = []
                 for c in self.coords:
-                    size, offset = box(x.shape, shape, [c[d] for d in dims], x.placements)
+                    size, offset = compat.local_box(x.shape, shape, [c[d] for d in dims], x.placements)
                     self._boxes[i].append((tuple(offset), tuple(size)))
         return self._boxes[i]
 
@@ -124,15 +123,6 @@ def _box_slices(box: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[slice, ..
     return tuple(slice(o, o + n) for o, n in zip(*box))
 
 
-def _root(mesh: Any) -> Any:
-    get = getattr(mesh, "_get_root_mesh", None)
-    if get is not None:
-        return get()
-    from torch.distributed.device_mesh import _mesh_resources  # torch < 2.8
-
-    return _mesh_resources.get_root_mesh(mesh)
-
-
 def blocks_info(params: Any) -> ShardInfo:
     """Leaves in any blocks over one root mesh (TP's `Shard(d)`, FSDP's `_StridedShard` on top
     of TP, submeshes of it, plain tensors: replicated): elementwise math is local whatever
@@ -144,7 +134,7 @@ def blocks_info(params: Any) -> ShardInfo:
 
     pairs, _ = tr.tree_flatten_with_path(params)
     dtensors = [(p, x) for p, x in pairs if is_dtensor(x)]
-    roots = {id(_root(x.device_mesh)): _root(x.device_mesh) for _, x in dtensors}
+    roots = {id(compat.root_mesh(x.device_mesh)): compat.root_mesh(x.device_mesh) for _, x in dtensors}
     if len(roots) != 1:
         raise ValueError(f"the params' DTensors live under {len(roots)} root device meshes; one is needed")
     root = next(iter(roots.values()))

@@ -367,6 +367,7 @@ def test_bf16_params_with_compensation_stay_within_an_ulp_of_the_float32_run():
 
 
 def test_compensated_updates_compiled_and_donated_match_eager():
+    torch.manual_seed(0)  # its own data, whatever ran before it
     opt = ps.chain(ps.adamw(1e-3), ps.compensated_updates())
     params = {"w": torch.randn(64, 32).to(BF16)}
     grads = _grads(params, 4)
@@ -451,3 +452,27 @@ def test_compiled_donated_update_with_narrow_moments_tracks_eager(dtype):
     for k in params:
         moved = (eager[k] - params[k]).abs().mean()
         assert (p[k] - eager[k]).abs().mean() < 0.02 * moved
+
+
+def test_the_roundings_without_bit_views_equal_the_bit_ones(monkeypatch):
+    # Under vmap on a torch whose `view(dtype)` has no batching rule (before 2.12), the same
+    # roundings run arithmetically (`compat.VMAP_BITCASTS`): bit for bit the same values.
+    from purestep.core import _compat as compat
+    from purestep.core import _low_precision as lp
+
+    g = torch.Generator().manual_seed(0)
+    scales = 10.0 ** torch.randint(-40, 39, (20000,), generator=g).float()
+    special = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), 3.4e38, -3.4e38, 1e-40, -1e-45, 1.1754944e-38]
+    x = torch.cat([torch.randn(20000, generator=g) * scales, torch.tensor(special)])
+    bits = torch.randint(0, 65536, x.shape, generator=g, dtype=torch.int32)
+    cases = [(torch.bfloat16, bits), (torch.bfloat16, None)] + [
+        (d, b) for d in (torch.float16, torch.float8_e4m3fn, torch.float8_e5m2) for b in (bits, None)
+    ]
+    with_bits = [lp._round_bf16(x, b) if d == torch.bfloat16 else lp._round_grid(x, d, b) for d, b in cases]
+    monkeypatch.setattr(compat, "VMAP_BITCASTS", False)
+    monkeypatch.setattr(compat, "under_vmap", lambda: True)
+    assert not lp._bit_views()
+    for (d, b), want in zip(cases, with_bits):
+        got = lp._round_bf16(x, b) if d == torch.bfloat16 else lp._round_grid(x, d, b)
+        same = (got == want) | (got.isnan() & want.isnan())
+        assert bool(same.all()) and torch.equal(torch.signbit(got), torch.signbit(want)), (d, b is None)

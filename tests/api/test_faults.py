@@ -204,7 +204,7 @@ def test_plot_draws_non_finite_points_as_gaps(tmp_path):
 @pytest.mark.parametrize(
     "overrides, field",
     [
-        (['model.kwargs={"mlp_ratio": -10}'], "model.kwargs"),
+        (['model.kwargs={"mlp_ratio": -10}'], "model.kwargs.mlp_ratio"),
         (["model.vocab_size=4611686018427387904"], "model.vocab_size"),
         (['optimizer.kwargs={"weight_decay": 1267650600228229401496703205376}'], "optimizer.kwargs.weight_decay"),
         (["seed=-10000000000000"], "seed"),

@@ -159,7 +159,7 @@ def mup_lr_multipliers(params: Params, base_shapes: Any, *, optimizer: str = "ad
         This is only the optimizer side of μP. The model side stays yours or mup's: the
         readout multiplier (`mup.MuReadout` divides the head's input by its width
         multiplier), 1/d attention scaling and the init (`mup.set_base_shapes` rescales
-        it); see the README's recipe. Leaves with more than 2 width dims raise, as mup's
+        it); see docs/guides/families.md. Leaves with more than 2 width dims raise, as mup's
         optimizers do.
 
     Examples:
@@ -251,7 +251,7 @@ def mup_adamw(
 
     Warning:
         Only the optimizer side of μP: the readout multiplier, attention scaling and
-        init stay the model's (`mup.MuReadout`, `mup.set_base_shapes`); see the README.
+        init stay the model's (`mup.MuReadout`, `mup.set_base_shapes`); see docs/guides/families.md.
 
     Examples:
         >>> import torch, purestep.core as ps

@@ -336,7 +336,7 @@ def make_update(
     buffers over this rank's row blocks; tree-wide reductions are local partials plus one
     batched collective each, Muon's orthogonalization runs once per matrix on an owner rank,
     and the params keep their storage objects, whose memory moves into the buffers (FSDP2
-    all-gathers from there). See the README's "Under FSDP2". `update.explain()` says which
+    all-gathers from there); docs/guides/distributed.md shows it. `update.explain()` says which
     path runs and why; `update.layout()` shows the buffers.
 
     Examples:

@@ -88,8 +88,9 @@ def _slice_of(path: str, x: Any, world: int, rank: int) -> _Slice:
 
 class ShardInfo:
     """How the leaves of a packed tree are spread over the ranks of one process group, and
-    the collectives `ops` runs over it. Off (`active=False`) while a layout is planned:
-    the dry runs on stand-ins then reduce locally and communicate nothing."""
+    the collectives `ops` runs over it. Off (`active=False`) until the layout is planned and
+    the state built on its buffers (`init` on the packed params): reductions until then are
+    local and communicate nothing."""
 
     def __init__(
         self,

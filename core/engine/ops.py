@@ -81,7 +81,7 @@ def global_shapes(tree: Any) -> list[torch.Size]:
     if spec is None:
         return [x.shape for x in pytree.tree_leaves(tree)]
     _flat.check_whole_leaves(tree, "global_shapes")
-    # Whole shapes over active shards; the leaves' own while a layout is planned on stand-ins.
+    # Whole shapes over active shards; the local leaves' own until the layout is planned.
     full = spec.shard.full_shape if _shard(tree) is not None else (lambda m: m.shape)
     return [full(g.members[0]) if (len(g.members) == 1 or g.is_stack) else torch.Size([g.numel]) for g in spec.groups]
 

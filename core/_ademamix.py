@@ -24,7 +24,8 @@ from ._base import (
     zero_count,
 )
 from ._combine import chain
-from ._alias import _check_lr, _decay
+from ._base import check_lr
+from ._weight_decay import decayed
 from ._blocks import scale_by_lr
 from .engine.needs import Needs, with_needs
 
@@ -156,10 +157,10 @@ def ademamix(
     References:
         Pagliardini et al., The AdEMAMix Optimizer: Better, Faster, Older, 2024.
     """
-    _check_lr(lr)
+    check_lr(lr)
     check_hyperparam("weight_decay", weight_decay)
     check_nonnegative("weight_decay", weight_decay)
     block = scale_by_ademamix(
         b1, b2, b3, alpha, eps, eps_root=eps_root, mu_dtype=mu_dtype, nu_dtype=nu_dtype, rounding=rounding
     )
-    return chain(block, _decay(weight_decay, mask), scale_by_lr(lr))
+    return chain(block, decayed(weight_decay, mask), scale_by_lr(lr))

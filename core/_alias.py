@@ -15,26 +15,11 @@ from ._base import (
     check_nonnegative,
     check_positive,
     is_static,
+    is_zero,
 )
 from ._combine import chain, identity, masked
-from ._weight_decay import add_decayed_weights
+from ._weight_decay import decayed
 from ._blocks import scale, scale_by_adam, scale_by_lion, scale_by_lr, scale_by_trust_ratio, trace
-
-
-def _is_zero(value: Any) -> bool:
-    return is_static(value) and value == 0
-
-
-def _decay(weight_decay: ScalarOrSchedule, mask: Any = None, *, cautious: bool = False) -> Transform:
-    # A constant zero decay is left out of the chain; identity keeps the state layout.
-    return identity() if _is_zero(weight_decay) else add_decayed_weights(weight_decay, mask, cautious=cautious)
-
-
-def _check_lr(lr: Any) -> None:
-    """For an lr that reaches no `scale_by_lr` as it is (schedule-free's warmed-up one);
-    elsewhere the blocks check their own arguments (lr, weight_decay, betas) once."""
-    check_hyperparam("lr", lr)
-    check_nonnegative("lr", lr)
 
 
 def _signed(maximize: bool, *transforms: Transform) -> Transform:
@@ -79,14 +64,14 @@ def sgd(
     check_hyperparam("momentum", momentum)
     check_nonnegative("momentum", momentum)
     check_nonnegative("dampening", dampening)
-    if nesterov and (_is_zero(momentum) or (is_static(dampening) and dampening != 0)):
+    if nesterov and (is_zero(momentum) or (is_static(dampening) and dampening != 0)):
         raise ValueError("nesterov=True needs momentum > 0 and dampening=0 (as torch.optim.SGD)")
     momentum_step = (
         identity()
-        if _is_zero(momentum)
+        if is_zero(momentum)
         else trace(momentum, nesterov, dampening=dampening, accumulator_dtype=accumulator_dtype, rounding=rounding)
     )
-    return _signed(maximize, _decay(weight_decay), momentum_step, scale_by_lr(lr))
+    return _signed(maximize, decayed(weight_decay), momentum_step, scale_by_lr(lr))
 
 
 def adam(
@@ -140,7 +125,7 @@ def adam(
     """
     b1, b2 = check_betas(betas)
     adam_step = scale_by_adam(b1, b2, eps, amsgrad=amsgrad, mu_dtype=mu_dtype, nu_dtype=nu_dtype, rounding=rounding)
-    return _signed(maximize, _decay(weight_decay), adam_step, scale_by_lr(lr))
+    return _signed(maximize, decayed(weight_decay), adam_step, scale_by_lr(lr))
 
 
 def adamw(
@@ -185,7 +170,7 @@ def adamw(
     """
     b1, b2 = check_betas(betas)
     adam_step = scale_by_adam(b1, b2, eps, amsgrad=amsgrad, mu_dtype=mu_dtype, nu_dtype=nu_dtype, rounding=rounding)
-    return _signed(maximize, adam_step, _decay(weight_decay, mask, cautious=cautious_weight_decay), scale_by_lr(lr))
+    return _signed(maximize, adam_step, decayed(weight_decay, mask, cautious=cautious_weight_decay), scale_by_lr(lr))
 
 
 def lion(
@@ -219,7 +204,7 @@ def lion(
         Chen et al., Symbolic Discovery of Optimization Algorithms, 2023.
     """
     b1, b2 = check_betas(betas)
-    decay = _decay(weight_decay, mask, cautious=cautious_weight_decay)
+    decay = decayed(weight_decay, mask, cautious=cautious_weight_decay)
     return chain(scale_by_lion(b1, b2, mu_dtype=mu_dtype, rounding=rounding), decay, scale_by_lr(lr))
 
 
@@ -250,7 +235,7 @@ def lamb(
     check_positive("eps", eps)
     return chain(
         scale_by_adam(b1, b2, eps),
-        _decay(weight_decay, mask),
+        decayed(weight_decay, mask),
         scale_by_trust_ratio(),
         scale_by_lr(lr),
     )
@@ -290,11 +275,11 @@ def lars(
     """
     check_hyperparam("momentum", momentum)
     check_nonnegative("momentum", momentum)
-    if nesterov and _is_zero(momentum):
+    if nesterov and is_zero(momentum):
         raise ValueError("nesterov=True needs momentum > 0")
     ratio = scale_by_trust_ratio(trust_coefficient=trust_coefficient, eps=eps)
     return chain(
-        _decay(weight_decay, mask),
+        decayed(weight_decay, mask),
         ratio if trust_ratio_mask is None else masked(ratio, trust_ratio_mask),
         scale_by_lr(lr),
         trace(momentum, nesterov),

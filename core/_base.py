@@ -229,6 +229,18 @@ def is_static(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def is_zero(value: Any) -> bool:
+    """True when `value` is a plain number equal to 0 (a term the chain can leave out)."""
+    return is_static(value) and value == 0
+
+
+def check_lr(lr: Any) -> None:
+    """For an lr that reaches no `scale_by_lr` as it is (schedule-free's warmed-up one);
+    elsewhere the blocks check their own arguments (lr, weight_decay, betas) once."""
+    check_hyperparam("lr", lr)
+    check_nonnegative("lr", lr)
+
+
 def check_nonnegative(name: str, value: Any) -> None:
     if is_static(value) and not value >= 0:
         raise ValueError(f"{name} must be >= 0, got {value!r}")

@@ -12,7 +12,8 @@ from .engine import ops as lay
 from . import _tree as tr
 from ._base import OptState, Params, ScalarOrSchedule, Transform, check_betas, check_hyperparam, check_nonnegative
 from ._combine import chain
-from ._alias import _check_lr, _decay
+from ._base import check_lr
+from ._weight_decay import decayed
 from ._blocks import scale_by_adam, scale_by_lr
 from .engine.needs import Needs, with_needs
 
@@ -136,9 +137,9 @@ def cautious_adamw(
     References:
         Liang et al., Cautious Optimizers: Improving Training with One Line of Code, 2024.
     """
-    _check_lr(lr)
+    check_lr(lr)
     b1, b2 = check_betas(betas)
     check_hyperparam("weight_decay", weight_decay)
     check_nonnegative("weight_decay", weight_decay)
     adam_step = scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype, rounding=rounding)
-    return chain(cautious(adam_step, before_lr=True, rescale=rescale), _decay(weight_decay, mask), scale_by_lr(lr))
+    return chain(cautious(adam_step, before_lr=True, rescale=rescale), decayed(weight_decay, mask), scale_by_lr(lr))

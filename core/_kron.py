@@ -20,7 +20,7 @@ from torch import Tensor
 
 from . import _foreach as ls
 from . import _low_precision as lp
-from ._alias import _decay
+from ._weight_decay import decayed
 from ._base import (
     Params,
     ScalarOrSchedule,
@@ -39,7 +39,7 @@ from ._base import (
 from ._blocks import scale_by_lr
 from ._combine import chain
 from ._schedules import _schedule
-from ._soap import _as_is, _cond, _fresh, _plain
+from ._cond import as_is, cond, fresh, plain_branch
 from .engine.dtensor import is_dtensor
 from .engine.needs import Needs, with_needs
 
@@ -280,7 +280,7 @@ def scale_by_kron(
         beta1 = as_float64(resolve(b1, count), count.device)
         bc1 = once(1.0 - beta1 ** (count + 1).to(torch.float64))
         refit = _coin(state.key, count) < as_float64(resolve(prob, count), count.device)
-        out_ = _as_is if _plain(refit) else _fresh
+        out_ = as_is if plain_branch(refit) else fresh
         gs, wide, mus = lp.load_moments(grads, state.mu, params)
         spec = pytree.tree_structure(grads)
         q_leaves = spec.flatten_up_to(state.q)  # a tuple of factors per leaf (the params' own tuples are not leaves)
@@ -303,7 +303,7 @@ def scale_by_kron(
             def keep(fit_on, key, count, *qs):
                 return tuple(out_(q) for q in qs)
 
-            qs = tuple(_cond(refit, renew, keep, (fit_on, state.key, count, *qs)))
+            qs = tuple(cond(refit, renew, keep, (fit_on, state.key, count, *qs)))
             new_qs.append(qs)
             d = _precondition(m_hat, list(qs))
             d = d * torch.clamp(1.1 / (d.square().mean().sqrt() + 1e-6), max=1.0)  # RMS at most 1.1
@@ -413,4 +413,4 @@ def kron(
         mu_dtype=mu_dtype,
         rounding=rounding,
     )
-    return chain(block, _decay(weight_decay, mask), scale_by_lr(lr))
+    return chain(block, decayed(weight_decay, mask), scale_by_lr(lr))

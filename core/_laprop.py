@@ -26,7 +26,7 @@ from ._base import (
     zero_count,
 )
 from ._combine import chain, identity, masked
-from ._alias import _is_zero
+from ._base import is_zero
 from ._blocks import scale_by_lr
 from .engine.needs import Needs, with_needs
 
@@ -173,7 +173,7 @@ def laprop(
     check_hyperparam("weight_decay", weight_decay)
     check_nonnegative("weight_decay", weight_decay)
     block = scale_by_laprop(lr, b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype, rounding=rounding)
-    if _is_zero(weight_decay):
+    if is_zero(weight_decay):
         decay = identity()  # left out, the state layout kept
     else:
         decay = _decay_after(lr, weight_decay) if mask is None else masked(_decay_after(lr, weight_decay), mask)

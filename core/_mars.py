@@ -25,7 +25,7 @@ from ._base import (
     zero_count,
 )
 from ._combine import chain
-from ._alias import _decay
+from ._weight_decay import decayed
 from ._blocks import scale_by_lr
 from .engine.needs import Needs, with_needs
 
@@ -143,4 +143,4 @@ def mars(
     check_hyperparam("weight_decay", weight_decay)
     check_nonnegative("weight_decay", weight_decay)
     block = scale_by_mars(b1, b2, gamma, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype, rounding=rounding)
-    return chain(block, _decay(weight_decay), scale_by_lr(lr))
+    return chain(block, decayed(weight_decay), scale_by_lr(lr))

@@ -29,7 +29,8 @@ from ._base import (
 )
 from ._combine import chain, partition
 from ._weight_decay import param_kind
-from ._alias import _decay, adamw
+from ._alias import adamw
+from ._weight_decay import decayed
 from ._blocks import scale_by_lr
 from .engine.needs import Needs, Rule, with_needs
 from ._newton_schulz import _ADJUST_LR, NS5_COEFFICIENTS, Coefficients, _coefficient_schedule, orthogonalize_leaves
@@ -382,7 +383,7 @@ def muon(
         mu_dtype=mu_dtype,
         rounding=rounding,
     )
-    return chain(block, _decay(weight_decay, cautious=cautious_weight_decay), scale_by_lr(lr))
+    return chain(block, decayed(weight_decay, cautious=cautious_weight_decay), scale_by_lr(lr))
 
 
 def muon_adamw(

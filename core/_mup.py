@@ -25,7 +25,9 @@ from ._base import (
 )
 from ._combine import chain, identity
 from ._weight_decay import scale_per_leaf
-from ._alias import _check_lr, _decay, sgd
+from ._alias import sgd
+from ._base import check_lr
+from ._weight_decay import decayed
 from ._blocks import scale_by_adam, scale_by_lr, trace
 
 # One dim of a base shape: (base size, always a width dim). A plain int is a width dim
@@ -265,13 +267,13 @@ def mup_adamw(
         Yang et al., Tensor Programs V: Tuning Large Neural Networks via Zero-Shot
         Hyperparameter Transfer, 2021 (github.com/microsoft/mup).
     """
-    _check_lr(lr)
+    check_lr(lr)
     b1, b2 = check_betas(betas)
     check_hyperparam("weight_decay", weight_decay)
     check_nonnegative("weight_decay", weight_decay)
     adam_step = scale_by_adam(b1, b2, eps, mu_dtype=mu_dtype, nu_dtype=nu_dtype, rounding=rounding)
     widths = scale_per_leaf(mup_rule(base_shapes, "adam"))
-    return chain(adam_step, widths, _decay(weight_decay, mask), scale_by_lr(lr))
+    return chain(adam_step, widths, decayed(weight_decay, mask), scale_by_lr(lr))
 
 
 def mup_sgd(
@@ -306,10 +308,10 @@ def mup_sgd(
     References:
         Yang et al., Tensor Programs V, 2021 (github.com/microsoft/mup).
     """
-    _check_lr(lr)
+    check_lr(lr)
     sgd(lr, momentum, dampening, nesterov, weight_decay)  # the same checks as sgd's, naming the argument
     widths = scale_per_leaf(mup_rule(base_shapes, "sgd"))
     momentum_step = (
         identity() if is_static(momentum) and momentum == 0 else trace(momentum, nesterov, dampening=dampening)
     )
-    return chain(widths, _decay(weight_decay), momentum_step, scale_by_lr(lr))
+    return chain(widths, decayed(weight_decay), momentum_step, scale_by_lr(lr))

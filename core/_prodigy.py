@@ -26,7 +26,7 @@ from ._base import (
     resolve,
     zero_count,
 )
-from ._alias import _check_lr, _is_zero
+from ._base import check_lr, is_zero
 from .engine.needs import Needs, with_needs
 
 
@@ -91,7 +91,7 @@ def prodigy(
     References:
         Mishchenko and Defazio, Prodigy: An Expeditiously Adaptive Parameter-Free Learner, ICML 2024.
     """
-    _check_lr(lr)
+    check_lr(lr)
     for name, beta in (("b1", b1), ("b2", b2), ("beta3", beta3)):
         if beta is not None:
             check_hyperparam(name, beta)
@@ -141,7 +141,7 @@ def prodigy(
         denom = ls.add_scalar_(ls.sqrt(vs), d_new * eps)
         out = ls.mul_(ls.div_into_(list(ms), denom), -dlr)
         wd = resolve(weight_decay, state.count)
-        if not _is_zero(wd):
+        if not is_zero(wd):
             out = ls.axpy(-dlr * wd, xs, out)
         unflat = lambda leaves, like: pytree.tree_unflatten(ls.cast_like(leaves, pytree.tree_leaves(like)), spec)  # noqa: E731
         new_state = ProdigyState(

@@ -33,7 +33,8 @@ from ._base import (
     zero_count,
 )
 from .engine.needs import Needs, with_needs
-from ._alias import _check_lr, _decay
+from ._base import check_lr
+from ._weight_decay import decayed
 from ._blocks import scale_by_adam, scale_by_lr
 from ._combine import chain
 
@@ -219,9 +220,9 @@ def schedule_free_adamw(
     References:
         Defazio et al., The Road Less Scheduled, 2024.
     """
-    _check_lr(lr)
+    check_lr(lr)
     b1, b2 = check_betas(betas)
     check_int("warmup_steps", warmup_steps)
     lr_t = warmup_lr(lr, warmup_steps)
-    base = chain(scale_by_adam(0.0, b2, eps), _decay(weight_decay), scale_by_lr(lr_t))
+    base = chain(scale_by_adam(0.0, b2, eps), decayed(weight_decay), scale_by_lr(lr_t))
     return schedule_free(base, lr_t, b1, r=r, weight_lr_power=weight_lr_power)

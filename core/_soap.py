@@ -33,6 +33,7 @@ from ._base import (
     resolve,
     zero_count,
 )
+from ._cond import as_is, cond, fresh, plain_branch
 from .engine.needs import Needs, with_needs
 
 
@@ -86,40 +87,6 @@ def _spread(present: Any, have: list[bool]) -> list:
     """The per-dimension list again: `present` in order where `have`, None elsewhere."""
     it = iter(present)
     return [next(it) if h else None for h in have]
-
-
-def _plain(pred: Tensor) -> bool:
-    """Whether `_cond` on `pred` runs a plain branch: eagerly, with `pred` on the CPU, where
-    reading it costs nothing (an eager cond traces its branches through dynamo for every
-    leaf and step, ms each)."""
-    return (
-        not torch.compiler.is_compiling()
-        and pred.device.type == "cpu"
-        and torch._C._functorch.peek_interpreter_stack() is None
-    )
-
-
-def _cond(pred: Tensor, true_fn: Any, false_fn: Any, operands: tuple) -> Any:
-    """`torch.cond`, for compiled code and devices where reading `pred` would wait for the
-    device; a plain branch where `_plain`. Eagerly elsewhere the cond traces its branches for
-    each leaf's shapes as they are (static: leaves of many shapes must not turn them symbolic)."""
-    if _plain(pred):
-        return true_fn(*operands) if bool(pred) else false_fn(*operands)
-    if not torch.compiler.is_compiling():
-        for x in operands:
-            torch._dynamo.mark_static(x)
-    return torch.cond(pred, true_fn, false_fn, operands)
-
-
-def _fresh(x: Tensor) -> Tensor:
-    """A cond branch's output: a new contiguous tensor (the branches must agree on strides
-    and may not return an input)."""
-    return x.clone(memory_format=torch.contiguous_format)
-
-
-def _as_is(x: Tensor) -> Tensor:
-    """A plain branch's output: no copy (nothing aliases in place; the state is replaced whole)."""
-    return x
 
 
 def _unflat(args: tuple, k: int) -> tuple:
@@ -235,7 +202,7 @@ def scale_by_soap(
         bc = once(torch.sqrt(1.0 - beta2**t) / (1.0 - beta1**t)) if correct_bias else as_float64(1.0, count.device)
         first = count == 0
         refresh = (count > 0) & (count % precondition_frequency == 0)
-        out_ = _as_is if _plain(first) else _fresh  # cond outputs are copies; plain branches' need not be
+        out_ = as_is if plain_branch(first) else fresh  # cond outputs are copies; plain branches' need not be
         outs, mus, nus, ggs, qs = [], [], [], [], []
         # The moments in the compute dtype (float32, or float64 for float64 params), whatever they are stored in.
         gs, wide, mu_in = lp.load_moments(grads, state.mu, params)
@@ -287,11 +254,11 @@ def scale_by_soap(
                     q = gq[k:]
                     return tuple(out_(x) for x in (mu_, nu_, *q))
 
-                mu_, nu_, *q = _cond(refresh, renew, keep, (mu_, nu_, *gg, *q))
+                mu_, nu_, *q = cond(refresh, renew, keep, (mu_, nu_, *gg, *q))
                 return tuple(out_(x) for x in (direction * bc.to(direction.dtype), mu_, nu_, *gg, *q))
 
             operands = (gw, mu_, nu_, *_present(gg, have), *_present(q, have), beta1, beta2, beta_s, bc, refresh)
-            out = _cond(first, set_up, step, operands)
+            out = cond(first, set_up, step, operands)
             found_gg, found_q = iter(out[3 : 3 + k]), iter(out[3 + k : 3 + 2 * k])
             ggs.append(tuple(next(found_gg) if h else f for f, h in zip(gg, have)))
             qs.append(tuple(next(found_q) if h else f for f, h in zip(q, have)))

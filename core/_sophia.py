@@ -30,7 +30,7 @@ from ._base import (
     zero_count,
 )
 from .engine.needs import Needs, with_needs
-from ._alias import _decay
+from ._weight_decay import decayed
 from ._blocks import scale_by_lr
 from ._combine import chain
 
@@ -193,4 +193,4 @@ def sophia(
         Liu et al., Sophia: A Scalable Stochastic Second-order Optimizer for Language Model Pre-training, 2023.
     """
     b1, b2 = check_betas(betas)
-    return chain(scale_by_sophia(b1, b2, rho, eps, update_every=update_every), _decay(weight_decay), scale_by_lr(lr))
+    return chain(scale_by_sophia(b1, b2, rho, eps, update_every=update_every), decayed(weight_decay), scale_by_lr(lr))

@@ -22,12 +22,13 @@ from ._base import (
     check_hyperparam,
     check_nonnegative,
     is_static,
+    is_zero,
     leaf_device,
     resolve,
     with_in_place,
     zero_count,
 )
-from ._combine import masked
+from ._combine import identity, masked
 from .engine.needs import Needs, Rule, with_needs
 
 
@@ -35,6 +36,12 @@ class AddDecayedWeightsState(NamedTuple):
     """State of `add_decayed_weights` with a scheduled weight decay."""
 
     count: Tensor  # type: ignore[assignment]  # (), int64: the schedule's step
+
+
+def decayed(weight_decay: ScalarOrSchedule, mask: Any = None, *, cautious: bool = False) -> Transform:
+    """The decay term of an optimizer's chain: `add_decayed_weights`, or `identity()` (the
+    same state layout, no work) for a constant zero."""
+    return identity() if is_zero(weight_decay) else add_decayed_weights(weight_decay, mask, cautious=cautious)
 
 
 def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0, mask: Any = None, *, cautious: bool = False) -> Transform:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 from typing import Any, cast
 
 import torch
@@ -113,7 +114,7 @@ class GPT(nn.Module):
         super().__init__()
         sizes = dict(vocab_size=vocab_size, dim=dim, n_layers=n_layers, n_heads=n_heads, seq_len=seq_len)
         for name, value in sizes.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a whole number >= 1")
         if isinstance(mlp_ratio, bool) or not isinstance(mlp_ratio, (int, float)) or not mlp_ratio > 0:
             raise ValueError(f"mlp_ratio={mlp_ratio!r} must be a number > 0")
@@ -258,7 +259,9 @@ def build_model(section: Any) -> GPT:
     takes = [n for n in inspect.signature(GPT).parameters if n not in _SECTION_FIELDS.values()]
     for arg in section.kwargs:
         if arg not in takes:
-            raise ConfigError(f"model.kwargs.{arg}", f"the GPT takes no {arg!r} (model.kwargs may set {takes})")
+            field = next((f"model.{f}" for f, a in _SECTION_FIELDS.items() if a == arg), None)
+            why = f"set it as {field}" if field else "the GPT takes no such argument"
+            raise ConfigError(f"model.kwargs.{arg}", f"{why} (model.kwargs may set {takes})")
     try:
         return GPT(
             vocab_size=section.vocab_size,

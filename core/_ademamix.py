@@ -17,6 +17,7 @@ from ._base import (
     Transform,
     check_beta,
     check_hyperparam,
+    check_lr,
     check_nonnegative,
     check_positive,
     leaf_device,
@@ -24,7 +25,6 @@ from ._base import (
     zero_count,
 )
 from ._combine import chain
-from ._base import check_lr
 from ._weight_decay import decayed
 from ._blocks import scale_by_lr
 from .engine.needs import Needs, with_needs

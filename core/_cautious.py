@@ -10,9 +10,17 @@ from torch import Tensor
 
 from .engine import ops as lay
 from . import _tree as tr
-from ._base import OptState, Params, ScalarOrSchedule, Transform, check_betas, check_hyperparam, check_nonnegative
+from ._base import (
+    OptState,
+    Params,
+    ScalarOrSchedule,
+    Transform,
+    check_betas,
+    check_hyperparam,
+    check_lr,
+    check_nonnegative,
+)
 from ._combine import chain
-from ._base import check_lr
 from ._weight_decay import decayed
 from ._blocks import scale_by_adam, scale_by_lr
 from .engine.needs import Needs, with_needs

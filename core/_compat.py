@@ -33,9 +33,11 @@ SWAPS_STORAGE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 it copies the shards in and the results back every step."""
 
 EMULATES_PRECISION_CASTS = hasattr(_inductor_config, "emulate_precision_casts")
-"""Whether inductor has the option to keep a narrowing cast's rounding. Before 2.12 it has
-it but still fuses a `.to(bf16).to(float32)` round trip after a matmul away: code that must
-round in compiled code rounds with integer bit operations (`_low_precision.round_to_bf16`)."""
+"""Whether inductor has the option to keep a narrowing cast's rounding (purestep turns it on).
+It does not tell whether the option works: before 2.12 inductor still fuses a
+`.to(bf16).to(float32)` round trip after a matmul away, and no cheap probe shows it, so code
+that must round in compiled code rounds with integer bit operations on every release
+(`_low_precision.round_to_bf16`)."""
 
 
 def under_vmap() -> bool:

@@ -20,13 +20,13 @@ from ._base import (
     check_hyperparam,
     check_nonnegative,
     check_positive,
+    is_zero,
     leaf_device,
     require_params,
     resolve,
     zero_count,
 )
 from ._combine import chain, identity, masked
-from ._base import is_zero
 from ._blocks import scale_by_lr
 from .engine.needs import Needs, with_needs
 

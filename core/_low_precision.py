@@ -111,7 +111,7 @@ def _bit_views() -> bool:
 def _pow2(k: Tensor) -> Tensor:
     """2^k as float32, exactly, for int32 k in [-126, 127] (built from the exponent bits)."""
     if not _bit_views():
-        return torch.pow(torch.full_like(k, 2, dtype=torch.float32), k.to(torch.float32))
+        return torch.exp2(k.to(torch.float32))
     return ((k + 127) << 23).view(torch.float32)
 
 

@@ -28,9 +28,8 @@ from ._base import (
     zero_count,
 )
 from ._combine import chain, partition
-from ._weight_decay import param_kind
+from ._weight_decay import decayed, param_kind
 from ._alias import adamw
-from ._weight_decay import decayed
 from ._blocks import scale_by_lr
 from .engine.needs import Needs, Rule, with_needs
 from ._newton_schulz import _ADJUST_LR, NS5_COEFFICIENTS, Coefficients, _coefficient_schedule, orthogonalize_leaves

@@ -20,14 +20,13 @@ from ._base import (
     Transform,
     check_betas,
     check_hyperparam,
+    check_lr,
     check_nonnegative,
     is_static,
 )
 from ._combine import chain, identity
-from ._weight_decay import scale_per_leaf
+from ._weight_decay import decayed, scale_per_leaf
 from ._alias import sgd
-from ._base import check_lr
-from ._weight_decay import decayed
 from ._blocks import scale_by_adam, scale_by_lr, trace
 
 # One dim of a base shape: (base size, always a width dim). A plain int is a width dim

@@ -19,14 +19,15 @@ from ._base import (
     as_float64,
     check_beta,
     check_hyperparam,
+    check_lr,
     check_nonnegative,
     check_positive,
+    is_zero,
     leaf_device,
     require_params,
     resolve,
     zero_count,
 )
-from ._base import check_lr, is_zero
 from .engine.needs import Needs, with_needs
 
 

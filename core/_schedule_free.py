@@ -16,8 +16,6 @@ from torch import Tensor
 from . import _foreach as ls
 from . import _tree as tr
 from ._base import (
-    require_params,
-    once,
     OptState,
     Params,
     ScalarOrSchedule,
@@ -25,15 +23,17 @@ from ._base import (
     as_float64,
     check_beta,
     check_betas,
-    check_int,
     check_hyperparam,
+    check_int,
+    check_lr,
     check_nonnegative,
     leaf_device,
+    once,
+    require_params,
     resolve,
     zero_count,
 )
 from .engine.needs import Needs, with_needs
-from ._base import check_lr
 from ._weight_decay import decayed
 from ._blocks import scale_by_adam, scale_by_lr
 from ._combine import chain

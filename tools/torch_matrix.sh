@@ -2,6 +2,7 @@
 # The whole test suite on each torch release given, each in a venv of its own:
 #
 #     bash tools/torch_matrix.sh 2.11.0 2.13.0 2.15.0
+#     bash tools/torch_matrix.sh --summary 2.11.0 2.15.0   # only the table, from runs already made
 #
 # Per release: a venv under ${MATRIX_DIR:-.matrix}/torch-VERSION (kept: a second run reuses it),
 # `torch==VERSION` and the test extras installed there with the torchvision that release pins
@@ -15,7 +16,9 @@
 # installs (PIP_CONFIG_FILE=/dev/null; PIP_FIND_LINKS, where set, still finds the local ones).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ $# -gt 0 ] || { echo "usage: bash tools/torch_matrix.sh VERSION..." >&2; exit 2; }
+summary_only=no
+if [ "${1:-}" = "--summary" ]; then summary_only=yes; shift; fi
+[ $# -gt 0 ] || { echo "usage: bash tools/torch_matrix.sh [--summary] VERSION..." >&2; exit 2; }
 root=${MATRIX_DIR:-.matrix}
 out=${MATRIX_OUT:-benchmarks/results/$(date +%F)-torch-matrix-cpu.md}
 mkdir -p "$root"
@@ -30,6 +33,7 @@ EOF
 }
 
 for version in "$@"; do
+    [ "$summary_only" = yes ] && break
     venv="$root/torch-$version"
     if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import torch, pytest, purestep.core" 2>/dev/null; then
         python3 -m venv "$venv"
@@ -40,18 +44,23 @@ for version in "$@"; do
     # This checkout, whichever one the venv was made from (an editable install points at one tree).
     PIP_CONFIG_FILE=/dev/null "$venv/bin/python" -m pip install -q --no-deps -e .
     echo "== torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)') in $venv"
+    git rev-parse --short HEAD > "$root/torch-$version.commit"
     "$venv/bin/python" -m pytest -q -p no:cacheprovider -rfE --junitxml="$root/torch-$version.xml" \
         > "$root/torch-$version.log" 2>&1 || true
     tail -1 "$root/torch-$version.log"
 done
 
 python3 - "$out" "$root" "$@" <<'EOF'
-import datetime, platform, subprocess, sys, xml.etree.ElementTree as ET
+import datetime, os, platform, subprocess, sys, xml.etree.ElementTree as ET
 out, root, versions = sys.argv[1], sys.argv[2], sys.argv[3:]
 commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+# Each run's own commit: the one whose checkout ran it (recorded beside its XML), else this one.
+commits = {v: (open(f"{root}/torch-{v}.commit").read().strip() if os.path.exists(f"{root}/torch-{v}.commit") else commit)
+           for v in versions}
 lines = [f"# The test suite per torch release (CPU), {datetime.date.today()}", "",
-         f"Machine: {platform.machine()}, {platform.system()}, Python {platform.python_version()}, "
-         f"commit {commit}. Command: `bash tools/torch_matrix.sh {' '.join(versions)}`.", "",
+         f"Machine: {platform.machine()}, {platform.system()}, 2 cores, Python {platform.python_version()}. "
+         f"Command: `bash tools/torch_matrix.sh VERSION` per release, on CPU "
+         f"(commit per release: {', '.join(f'{v} at {c}' for v, c in commits.items())}).", "",
          "| torch | passed | failed | errors | skipped | xfailed |", "|---|---|---|---|---|---|"]
 failures = {}
 for v in versions:

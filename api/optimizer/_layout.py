@@ -144,10 +144,18 @@ def as_numbers(factory: Callable, kwargs: dict[str, Any]) -> dict[str, Any]:
     later. A factory argument is real-valued when its default is a float (or a tuple holding
     one) or its annotation names `float` or `ScalarOrSchedule`."""
     params = inspect.signature(factory).parameters
-    return {k: _as_float(v) if k in params and _real(params[k]) else v for k, v in kwargs.items()}
+    out = {}
+    for k, v in kwargs.items():
+        try:
+            out[k] = _as_float(v) if k in params and _real(params[k]) else v
+        except OverflowError:
+            raise ValueError(f"{k}={v!r} is too large for a float") from None
+    return out
 
 
 def _real(param: inspect.Parameter) -> bool:
+    # By the default's type, else the annotation's text ("ScalarOrSchedule", "float | Tensor";
+    # one that names "int" too, as `Mapping[int, float]`, is not a real number).
     default = param.default
     if isinstance(default, tuple):
         return any(isinstance(d, float) for d in default)
@@ -387,6 +395,8 @@ def import_generic(state: Any, names: list[str], ids: list[int], saved: dict, sh
         if leaf.kind == "buffer":
             i = ids[names.index(leaf.param)]
             src = saved.get(i, {}).get(leaf.key)
+            if src is None and leaf.path in shared:  # saved by 0.4, which kept per-dimension factors shared
+                src = shared[leaf.path]
             at = f"{where}: state[{i}][{leaf.key!r}] (param {leaf.param!r})"
         else:
             src, at = shared.get(leaf.path), f"{where}: shared_state[{leaf.path!r}]"

@@ -75,8 +75,10 @@ def copy_scalars(program: Callable) -> Callable:
     def run(*args: Any, **kwargs: Any) -> Any:
         out, deferred = program(*args, **kwargs)
         if deferred:
-            with torch.no_grad():
-                torch._foreach_copy_([d for d, _ in deferred], [s for _, s in deferred])
+            dsts = {id(d) for d, _ in deferred}
+            with torch.no_grad():  # a source that is also a destination is read before any write
+                srcs = [s.clone() if id(s) in dsts else s for _, s in deferred]
+                torch._foreach_copy_([d for d, _ in deferred], srcs)
         return out
 
     return run

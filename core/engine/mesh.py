@@ -400,7 +400,7 @@ def _replicas_compute(
     )
     import torch.distributed._functional_collectives as fc
 
-    flat = fc.wait_tensor(fc.all_reduce(flat, "sum", info.replica_group))
+    flat = fc.wait_tensor(fc.all_reduce(info._on_device(flat), "sum", info.replica_group))
     return [part.view(w.shape) for part, w in zip(flat.split([w.numel() for w in whole]), whole)]
 
 

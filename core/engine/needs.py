@@ -67,7 +67,7 @@ class Rule(NamedTuple):
     def key(self) -> tuple[str, Any]:
         # A constant names itself: Dynamo before 2.12 cannot trace id() of an int.
         constant = self.source is None or isinstance(self.source, (bool, int, float, str))
-        return (self.what, ("=", self.source) if constant else id(self.source))
+        return (self.what, ("=", type(self.source).__name__, self.source) if constant else id(self.source))
 
 
 @dataclasses.dataclass(frozen=True)

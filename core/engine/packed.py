@@ -242,9 +242,9 @@ def rule_per_group(packed: Packed, rule: Any) -> list[Any]:
 def rule_on(spec: PackSpec, rule: Any) -> list[Any]:
     key = rule.key
     if key not in spec.rule_values:
-        # Traced by Dynamo before 2.12, id() of a callable source is not the planner's: the one
-        # declared rule of that name is this one.
-        named = [k for k in spec.rule_values if k[0] == rule.what]
+        # Traced by Dynamo before 2.12, id() of a callable source is not the planner's: there,
+        # and only there, the one declared rule of that name is this one.
+        named = [k for k in spec.rule_values if k[0] == rule.what] if torch.compiler.is_compiling() else []
         if len(named) != 1:
             raise ValueError(
                 f"a per-leaf rule ({rule.what}) read on flat buffers that its transform did not declare (Needs(rules=...))"

@@ -422,8 +422,8 @@ def test_a_mask_labels_or_batch_dims_kwarg_of_the_wrong_kind_names_the_field_and
     [
         ({"mlp_ratio": -10}, "model.kwargs.mlp_ratio", "mlp_ratio=-10 must be a number > 0"),
         ({"mlp_ratio": 1e-4}, "model.kwargs.mlp_ratio", "no hidden unit"),
-        ({"n_layer": 2}, "model.kwargs.n_layer", "takes no 'n_layer'"),
-        ({"dim": 64}, "model.kwargs.dim", "takes no 'dim'"),  # the section's own n_embd sets it
+        ({"n_layer": 2}, "model.kwargs.n_layer", "the GPT takes no such argument"),
+        ({"dim": 64}, "model.kwargs.dim", "set it as model.n_embd"),
     ],
 )
 def test_a_bad_model_kwarg_names_its_own_field(kwargs, field, says):

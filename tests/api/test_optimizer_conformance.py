@@ -223,3 +223,23 @@ def test_state_dicts_go_into_torchs_class_and_back_after_a_split_cohort(name):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(d, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_soap_state_dict_saved_by_0_4_with_shared_factors_still_loads():
+    # 0.4 kept SOAP's per-dimension factors under "shared_state" by their whole path; now they are
+    # each param's own buffers ("gg.0"): an old state dict loads, and continues as the new one.
+    build = _builder("soap", "floats", named=True)
+    model = _model("soap")
+    opt = build(model)
+    _steps(model, opt, 0, 3)
+    new = opt.state_dict()
+    old = copy.deepcopy(new)
+    for group in old["param_groups"]:
+        for i, name in zip(group["params"], group["param_names"]):
+            for key in [k for k in old["state"][i] if "." in k]:  # "gg.0" -> shared "inner_state.gg.<name>.0"
+                field, position = key.split(".")
+                group["shared_state"][f"inner_state.{field}.{name}.{position}"] = old["state"][i].pop(key)
+    twin = copy.deepcopy(model)
+    loaded = build(twin)
+    loaded.load_state_dict(_saved(old))
+    _assert_same(loaded.state_dict(), new, "0.4 state dict loaded")

@@ -47,3 +47,31 @@ def test_version_and_module_entry_points():
     assert out.returncode == 0 and out.stdout.strip() == f"purestep {purestep.__version__}", out.stdout + out.stderr
     for package in ("purestep", "purestep.core", "purestep.api"):
         assert (Path(__import__(package, fromlist=["x"]).__file__).parent / "py.typed").is_file(), package
+
+
+_PATH = re.compile(r"(?<![\w/.-])((?:core|api|tests|benchmarks|docs|tools|property_tests|examples)/[\w/.-]*\w\.(?:py|md|sh|toml|yml))")
+_SECTION = re.compile(r"""the README's ["“]([^"”]+)["”]""")
+
+
+def _texts() -> list[Path]:
+    pages = [*(ROOT / "docs").rglob("*.md"), ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "core" / "README.md"]
+    return pages + [ROOT / "benchmarks" / "README.md", *(ROOT / "core").rglob("*.py"), *(ROOT / "api").rglob("*.py")]
+
+
+def test_every_file_and_readme_section_the_docs_and_docstrings_name_exists():
+    missing = [
+        f"{page.relative_to(ROOT)}:{i}: {m.group(1)}"
+        for page in _texts()
+        for i, line in enumerate(page.read_text().splitlines(), 1)
+        for m in _PATH.finditer(line)
+        if not (ROOT / m.group(1)).exists()
+    ]
+    headings = set(re.findall(r"^#+ (.+)$", (ROOT / "README.md").read_text(), re.M))
+    missing += [
+        f"{page.relative_to(ROOT)}:{i}: the README's section {m.group(1)!r}"
+        for page in _texts()
+        for i, line in enumerate(page.read_text().splitlines(), 1)
+        for m in _SECTION.finditer(line)
+        if m.group(1) not in headings
+    ]
+    assert not missing, "named but missing:\n" + "\n".join(missing)

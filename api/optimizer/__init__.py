@@ -155,13 +155,7 @@ class Optimizer(torch.optim.Optimizer):
             self._kwargs = L.as_numbers(transform, dict(bound.arguments))
             if self._mirror is not None:
                 defaults = L.torch_group(transform, self._mirror, self._kwargs, "Optimizer")
-                for key, value in torch_only.items():
-                    if not L.same(value, defaults[key]):
-                        raise ValueError(
-                            f"Optimizer: {key}={value!r}, but {_name(transform)} runs {self._mirror.cls.__name__}'s "
-                            f"{key}={defaults[key]!r}" + L.instead(transform, key)
-                        )
-                    defaults[key] = value
+                defaults.update(L.checked_torch_only(transform, self._mirror, torch_only, defaults))
             else:
                 defaults = {k: v for k, v in self._kwargs.items() if L.is_plain(v)}
         else:

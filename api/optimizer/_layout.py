@@ -114,11 +114,21 @@ def torch_only(factory: Callable, mirror: Mirror | None, kwargs: dict[str, Any])
     return {k: v for k, v in kwargs.items() if k in theirs and k not in ours and k not in IMPLEMENTATION_KEYS}
 
 
-def instead(factory: Callable, key: str) -> str:
-    """What to use for a torch-only argument the factory cannot run."""
-    if factory is ps.adam and key == "decoupled_weight_decay":
-        return " (Adam with decoupled decay is AdamW: Optimizer(params, ps.adamw, ...))"
-    return f"; pass a built transform for another {key}"
+def checked_torch_only(factory: Callable, mirror: Mirror, given: dict[str, Any], group: dict) -> dict[str, Any]:
+    """`given` (from `torch_only`), each checked to be the value `factory` runs (`group`, torch's
+    group for it), else refused naming what to use instead."""
+    for key, value in given.items():
+        if not same(value, group[key]):
+            instead = (
+                " (Adam with decoupled decay is AdamW: Optimizer(params, ps.adamw, ...))"
+                if factory is ps.adam and key == "decoupled_weight_decay"
+                else f"; pass a built transform for another {key}"
+            )
+            raise ValueError(
+                f"Optimizer: {key}={value!r}, but ps.{factory.__name__} runs {mirror.cls.__name__}'s "
+                f"{key}={group[key]!r}{instead}"
+            )
+    return given
 
 
 def factory_kwargs(factory: Callable, mirror: Mirror | None, group: dict[str, Any], where: str) -> dict[str, Any]:

@@ -219,10 +219,10 @@ def plan(transform: Any, params: Any, *, tags: list[tuple] | None = None, shard:
     """The grouping of `params`' leaves into flat buffers under which `transform` runs, read
     from its declarations; `tags` (per leaf) keeps leaves apart from the start (the caller's
     own reasons: shards and whole leaves). Raises `NotPacked` with the reason when there is
-    none. `shard` (`sharded.ShardInfo`) is attached to the result."""
+    none. `shard` (a `placement.Placement`) is attached to the result."""
     pairs, spec = tr.tree_flatten_with_path(params)
     # Per-leaf rules see the leaves as the user does: over shards, the whole leaves' shapes.
-    shapes = [shard.slices[i].shape if shard is not None else x.shape for i, (_, x) in enumerate(pairs)]
+    shapes = [shard.shapes[i] if shard is not None else x.shape for i, (_, x) in enumerate(pairs)]
     meta = [torch.empty(shape, dtype=x.dtype, device="meta") for shape, (_, x) in zip(shapes, pairs)]
     res = resolve(transform, pytree.tree_unflatten(meta, spec))
     if res.not_flat is not None:

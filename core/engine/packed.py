@@ -119,7 +119,7 @@ class PackSpec:
         self.rule_values = rule_values or {}  # per-leaf rule values the planner read: rule key -> leaf index -> value
         self.per_row_state = per_row_state  # a transform declared per-row state (`holds`)
         self.summary = ""  # the grouping in words (`needs.describe`), for `explain()`
-        self.shard = shard  # `_sharded.ShardInfo` when the leaves are this rank's FSDP2 shards
+        self.shard = shard  # the `placement.Placement` when the leaves are this rank's blocks of DTensors
         self.orig_spec = orig_spec  # structure of the unpacked leaves, in `members_in_order`
         self.members_in_order = tuple(sorted((m for g in self.groups for m in g.members), key=lambda m: m.index))
         self.proxy = tuple(proxy)  # meta tensors like the unpacked leaves, in the same order

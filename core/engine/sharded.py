@@ -5,8 +5,8 @@ each rank holds a contiguous block of rows of every leaf, `Tensor`-typed, in
 `DTensor._local_tensor`. Elementwise math does not care that a block is not the whole
 leaf, so `ShardedUpdate` lays the local blocks out in flat buffers exactly as `flat` does
 in one process and runs the compiled step there: one kernel per group, no DTensor
-dispatch. What is not elementwise goes through `ops`, which this module's `ShardInfo`
-serves:
+dispatch. What is not elementwise goes through `ops`, which the params' placement
+(`placement.Placement`, read by `mesh.placement`) serves:
 
 - reductions over the tree (the grad norm, `apply_if_finite`'s count, per-leaf norms) are
   local partial sums and one batched `all_reduce` each (functional collectives, so they
@@ -40,7 +40,7 @@ from .donate import aliases, move_storage
 from .dtensor import is_dtensor, local, local_tree
 from .flat import FlatUpdate
 from .mesh import describe as describe
-from .mesh import shard_info
+from .mesh import placement
 from .needs import plan
 from .packed import NotPacked, Packed, PackSpec
 
@@ -98,12 +98,12 @@ class ShardedUpdate(FlatUpdate):
             ok = super().plans(params)
         except ValueError as e:  # a placement or mesh the sharded path does not take
             self.why_not, ok = str(e), False
-        return _agree(ok, params, self) if agree else ok if agree else ok
+        return _agree(ok, params, self) if agree else ok
 
     def plan_layout(self, params: Any) -> Any:
-        info = shard_info(params)
+        info = placement(params)
         return plan(
-            self.transform, local_tree(params), tags=[info.tags(i) for i in range(len(info.slices))], shard=info
+            self.transform, local_tree(params), tags=[info.tags(i) for i in range(len(info.shapes))], shard=info
         )
 
     def slack(self, params: Any, group: Any) -> int:
@@ -137,8 +137,8 @@ class ShardedEager:
     def _plan(self, params: Any) -> tuple[PackSpec, Any, Any]:
         key = [id(x) for x in pytree.tree_leaves(params)]
         if self._planned is None or self._planned[0] != key:
-            info = shard_info(params)
-            alone = [(*info.tags(i), ("alone", i)) for i in range(len(info.slices))]
+            info = placement(params)
+            alone = [(*info.tags(i), ("alone", i)) for i in range(len(info.shapes))]
             pack = plan(self.transform, local_tree(params), tags=alone, shard=info)
             with torch.no_grad():  # the state's structure over this layout (its values are the user's)
                 packed = Packed(pack, pytree.tree_leaves(local_tree(params)))

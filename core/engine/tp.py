@@ -1,14 +1,13 @@
-"""Tensor-parallel blocks: how DTensor params lie when they are not FSDP2's row blocks (TP
-alone, FSDP2 beside TP: `Shard(d)` on any mesh dim, FSDP's `_StridedShard` rows on top of TP,
-params over a root mesh and its named slices, plain tensors beside them), and the
-owner-computes that assembles a matrix from them.
+"""Tensor-parallel blocks: the placement of DTensor params that are not FSDP2's row blocks
+(TP alone, FSDP2 beside TP: `Shard(d)` on any mesh dim, FSDP's `_StridedShard` rows on top of
+TP, params over a root mesh and its named slices, plain tensors beside them).
 
-`blocks_info(params)` returns the `mesh.ShardInfo` the sharded path runs on: reductions are
-local partials times a per-leaf weight in one all_reduce over every rank of the root mesh
-(a block repeated along some mesh dims weighs 1 only at coordinate 0 of those dims), and
-`owner_computes` assembles each matrix at its owner from the blocks that count (`Boxes`:
-where each rank's block lies, by DTensor's own offset arithmetic) in one all_to_all, then
-sends every holder its block of the result in a second.
+`placement(pairs)` returns the `TPBlocks` the sharded path runs on: reductions are local
+partials times a per-leaf weight in one all_reduce over every rank of the root mesh (a block
+repeated along some mesh dims weighs 1 only at coordinate 0 of those dims), and
+owner-computes assembles each matrix at its owner from the blocks that count (`Boxes`: where
+each rank's block lies, by DTensor's own offset arithmetic) in one all_to_all, then sends
+every holder its block of the result in a second (`placement.exchange`).
 """
 
 from __future__ import annotations
@@ -20,66 +19,113 @@ import torch
 from torch import Tensor
 
 from .. import _compat as compat
-from .. import _tree as tr
 from .dtensor import is_dtensor
-from .mesh import ShardInfo, _Slice
+from .placement import Placement, exchange
 
 
-def untiled(info: ShardInfo) -> str | None:
-    """Why some sharded leaf's blocks do not tile it (then no owner can assemble it), or None.
+class TPBlocks(Placement):
+    """Leaves in blocks over every rank of one root mesh (see the module docstring)."""
 
-    The blocks that count must be the cells of a grid: along each dim their intervals
-    partition it, and there is one block per cell. `_StridedShard` orders whose rows are
-    not contiguous give offsets that are no boxes; they fail here, as they must."""
-    assert info.boxes is not None
-    for i, s in enumerate(info.slices):
-        if not s.sharded:
-            continue
-        boxes = info.boxes.of(i)
-        counted = {b for r, b in enumerate(boxes) if info.boxes.counts(i, r) and _numel(b) > 0}
-        cells = 1
-        for d, size in enumerate(s.shape):
-            edges = sorted({(b[0][d], b[0][d] + b[1][d]) for b in counted})
-            if [a for a, _ in edges] != [0] + [b for _, b in edges[:-1]] or (edges and edges[-1][1] != size):
-                return f"param {i}'s blocks over the ranks do not tile dim {d}: owner-computes cannot assemble it"
-            cells *= len(edges)
-        if len(counted) != cells or boxes[info.rank][1] != tuple(_local_shape(info.boxes.leaves[i])):
-            return f"param {i}'s blocks over the ranks do not tile it: owner-computes cannot assemble it"
-    return None
+    def __init__(
+        self,
+        world: int,
+        rank: int,
+        shapes: list[torch.Size],
+        copies: list[tuple[int, ...]],
+        coordinate: tuple[int, ...],
+        boxes: Boxes,
+        device: torch.device | None = None,
+        group: Any = None,
+    ) -> None:
+        # per leaf: the root mesh dims along which the ranks hold copies of one block; this
+        # rank weighs 1 in a reduction where it holds the copy at coordinate 0 of each such dim
+        sharded = [len(c) < len(coordinate) for c in copies]
+        weights = [1.0 if all(coordinate[d] == 0 for d in c) else 0.0 for c in copies]
+        super().__init__(group, world, rank, shapes, sharded, weights, device)
+        self.copies, self.boxes = copies, boxes
 
+    def tags(self, index: int) -> tuple:
+        return (("copies", self.copies[index]),)
 
-def owner_computes(
-    info: ShardInfo, indices: tuple[int, ...], blocks: dict[int, Tensor], run: Callable
-) -> dict[int, Tensor]:
-    """Owner-computes over TP blocks: every rank sends the blocks that count (not the copies)
-    of each matrix to its owner in one all_to_all over all ranks; the owner places them at
-    their offsets (`Boxes`), runs `fn` on the whole matrices, and sends every rank its
-    block of each result (copies too) in a second all_to_all."""
-    assert info.boxes is not None
-    owner, me, world, boxes = info.owners(indices), info.rank, info.world, info.boxes
-    mine = [i for i in indices if owner[i] == me]
-    dtype = blocks[indices[0]].dtype
-    sent = [[i for i in indices if owner[i] == d and boxes.counts(i, me)] for d in range(world)]
-    send = [blocks[i].reshape(-1).to(dtype) for d in range(world) for i in sent[d]]
-    in_splits = [sum(_numel(boxes.of(i)[me]) for i in sent[d]) for d in range(world)]
-    came = [[i for i in mine if boxes.counts(i, s)] for s in range(world)]
-    out_splits = [sum(_numel(boxes.of(i)[s]) for i in came[s]) for s in range(world)]
-    got = info._all_to_all(torch.cat(send) if send else blocks[indices[0]].new_zeros(0), out_splits, in_splits)
-    pieces = iter(got.split([_numel(boxes.of(i)[s]) for s in range(world) for i in came[s]]))
-    whole = {i: blocks[i].new_empty(info.slices[i].shape, dtype=dtype) for i in mine}
-    for s in range(world):
-        for i in came[s]:
-            box = boxes.of(i)[s]
-            whole[i][_box_slices(box)] = next(pieces).view(box[1])
-    done = run([whole[i] for i in mine], mine) if mine else []
-    back = [o[_box_slices(boxes.of(i)[d])].reshape(-1) for d in range(world) for i, o in zip(mine, done)]
-    in_splits = [sum(_numel(boxes.of(i)[d]) for i in mine) for d in range(world)]
-    order = [i for s in range(world) for i in indices if owner[i] == s]
-    out_splits = [sum(_numel(boxes.of(i)[me]) for i in indices if owner[i] == s) for s in range(world)]
-    ref = done[0] if done else blocks[indices[0]]
-    got = info._all_to_all(torch.cat(back) if back else ref.new_zeros(0), out_splits, in_splits)
-    parts = got.split([_numel(boxes.of(i)[me]) for i in order])
-    return {i: p.view(blocks[i].shape) for i, p in zip(order, parts)}
+    def declines(self, reductions: set[str], per_row_state: bool) -> str | None:
+        """Per-row statistics (NorMuon: a row may be split over ranks) are not built, and
+        whole-matrix math needs every leaf's blocks to tile it (`untiled`)."""
+        if per_row_state:
+            return "per-row statistics over tensor-parallel blocks (a row split over ranks) are not built: whole DTensors run them"
+        if "map_matrices" in reductions:
+            return self.untiled()
+        return None
+
+    def describe(self) -> str:
+        return (
+            f"tensor-parallel blocks over {self.world} ranks: elementwise math on each rank's blocks; reductions "
+            "are one all_reduce over every rank, each block counted once (its copies on other ranks weigh 0); "
+            "whole-matrix math is owner-computes over every rank (each matrix assembled from its row x column "
+            "blocks at its owner in one all_to_all, its result's blocks back in a second)"
+        )
+
+    def untiled(self) -> str | None:
+        """Why some sharded leaf's blocks do not tile it (then no owner can assemble it), or None.
+
+        The blocks that count must be the cells of a grid: along each dim their intervals
+        partition it, and there is one block per cell. `_StridedShard` orders whose rows are
+        not contiguous give offsets that are no boxes; they fail here, as they must."""
+        for i, shape in enumerate(self.shapes):
+            if not self.sharded[i]:
+                continue
+            boxes = self.boxes.of(i)
+            counted = {b for r, b in enumerate(boxes) if self.boxes.counts(i, r) and _numel(b) > 0}
+            cells = 1
+            for d, size in enumerate(shape):
+                edges = sorted({(b[0][d], b[0][d] + b[1][d]) for b in counted})
+                if [a for a, _ in edges] != [0] + [b for _, b in edges[:-1]] or (edges and edges[-1][1] != size):
+                    return f"param {i}'s blocks over the ranks do not tile dim {d}: owner-computes cannot assemble it"
+                cells *= len(edges)
+            if len(counted) != cells or boxes[self.rank][1] != tuple(_local_shape(self.boxes.leaves[i])):
+                return f"param {i}'s blocks over the ranks do not tile it: owner-computes cannot assemble it"
+        return None
+
+    def _cost(self, unit: Any) -> int:
+        """Newton-Schulz's cost of a leaf's matrix: m·n·min(m, n)."""
+        shape = self.shapes[unit]
+        rows, cols = shape[0], math.prod(shape[1:])
+        return rows * cols * min(rows, cols)
+
+    def _matrices(
+        self, blocks: dict[int, Tensor], lead: dict[int, int], extra_of: dict[int, Any], run: Callable
+    ) -> dict[int, Tensor]:
+        """Replicated leaves are computed where they are; every leaf split over ranks is
+        assembled whole at its owner: every rank sends the blocks that count (not the copies),
+        the owner places them at their offsets, and every rank gets its block of the result
+        (copies too)."""
+        results: dict[int, Tensor] = {}
+        local = [i for i in sorted(blocks) if not self.sharded[i]]
+        if local:
+            results.update(zip(local, run([blocks[i] for i in local], local)))
+        units = tuple(i for i in sorted(blocks) if self.sharded[i])
+        if not units:
+            return results
+        boxes, dtype = self.boxes, blocks[units[0]].dtype
+
+        def sent(i: int, r: int) -> int:
+            return _numel(boxes.of(i)[r]) if boxes.counts(i, r) else 0
+
+        def held(i: int, r: int) -> int:
+            return _numel(boxes.of(i)[r])
+
+        def assemble(i: int, pieces: list[Tensor]) -> Tensor:
+            whole = blocks[i].new_empty(self.shapes[i], dtype=dtype)
+            for s, piece in enumerate(pieces):
+                if boxes.counts(i, s):
+                    box = boxes.of(i)[s]
+                    whole[_box_slices(box)] = piece.view(box[1])
+            return whole
+
+        def cut(i: int, result: Tensor, r: int) -> Tensor:
+            return result[_box_slices(boxes.of(i)[r])]
+
+        results.update(exchange(self, units, blocks, sent, held, assemble, cut, run))
+        return results
 
 
 class Boxes:
@@ -123,7 +169,7 @@ def _box_slices(box: tuple[tuple[int, ...], tuple[int, ...]]) -> tuple[slice, ..
     return tuple(slice(o, o + n) for o, n in zip(*box))
 
 
-def blocks_info(params: Any) -> ShardInfo:
+def placement(pairs: list[tuple[str, Any]]) -> TPBlocks:
     """Leaves in any blocks over one root mesh (TP's `Shard(d)`, FSDP's `_StridedShard` on top
     of TP, submeshes of it, plain tensors: replicated): elementwise math is local whatever
     the blocks; a reduction sums local partials over every rank of the root mesh, each
@@ -132,7 +178,6 @@ def blocks_info(params: Any) -> ShardInfo:
     those weighs 1, the others 0."""
     from torch.distributed.tensor import Partial, Replicate
 
-    pairs, _ = tr.tree_flatten_with_path(params)
     dtensors = [(p, x) for p, x in pairs if is_dtensor(x)]
     roots = {id(compat.root_mesh(x.device_mesh)): compat.root_mesh(x.device_mesh) for _, x in dtensors}
     if len(roots) != 1:
@@ -144,13 +189,11 @@ def blocks_info(params: Any) -> ShardInfo:
     names = root.mesh_dim_names
     all_dims = tuple(range(root.ndim))
     copies: list[tuple[int, ...]] = []
-    slices: list[_Slice] = []
     mesh_dims: list[tuple[int, ...]] = []  # per leaf: the root dims its mesh spans
     for path, x in pairs:
         if not is_dtensor(x):
             copies.append(all_dims)
             mesh_dims.append(())
-            slices.append(_Slice(x.shape, (0,) * world, (x.shape[0] if x.dim() else 1,) * world, False))
             continue
         mesh = x.device_mesh
         if mesh is root or mesh == root:
@@ -161,13 +204,12 @@ def blocks_info(params: Any) -> ShardInfo:
             raise ValueError(f"param '{path}': its mesh {mesh.mesh_dim_names} is no named slice of the root mesh")
         mesh_dims.append(dims)
         split = set()
-        for d, placement in zip(dims, x.placements):
-            if isinstance(placement, Partial):
+        for d, p in zip(dims, x.placements):
+            if isinstance(p, Partial):
                 raise ValueError(f"param '{path}' is placed {tuple(x.placements)}: a Partial value is no block")
-            if not isinstance(placement, Replicate):
+            if not isinstance(p, Replicate):
                 split.add(d)
         copies.append(tuple(d for d in all_dims if d not in split))
-        slices.append(_Slice(x.shape, (0,) * world, (0,) * world, bool(split)))
     spanned = {d for dims in mesh_dims for d in dims}
     if spanned != set(all_dims):  # a dim no leaf spans holds other params (pipeline stages), not copies
         left = [names[d] if names else d for d in all_dims if d not in spanned]
@@ -176,12 +218,13 @@ def blocks_info(params: Any) -> ShardInfo:
         )
     coordinate = tuple(root.get_coordinate())
     boxes = Boxes([x for _, x in pairs], root, mesh_dims, copies)
-    return ShardInfo(
-        torch.distributed.group.WORLD,
+    return TPBlocks(
         world,
         torch.distributed.get_rank(),
-        slices,
-        copies=(copies, coordinate),
-        boxes=boxes,
-        device=next(x for _, x in pairs if is_dtensor(x)).device,
+        [x.shape for _, x in pairs],
+        copies,
+        coordinate,
+        boxes,
+        device=dtensors[0][1].device,
+        group=torch.distributed.group.WORLD,
     )

@@ -13,19 +13,19 @@ import torch
 import torch.distributed as dist
 
 import purestep.core as ps
-from purestep.core.engine import mesh, tp
+from purestep.core.engine import rows, tp
 
 
-def _slice(shape: tuple[int, ...], world: int) -> mesh._Slice:
-    rows = shape[0]
-    chunk = -(-rows // world)
-    starts = tuple(min(r * chunk, rows) for r in range(world))
-    return mesh._Slice(torch.Size(shape), starts, tuple(min(chunk, rows - s) for s in starts), True)
+def _slice(shape: tuple[int, ...], world: int) -> rows.RowSlice:
+    n = shape[0]
+    chunk = -(-n // world)
+    starts = tuple(min(r * chunk, n) for r in range(world))
+    return rows.RowSlice(torch.Size(shape), starts, tuple(min(chunk, n - s) for s in starts), True)
 
 
 def test_owners_balance_newton_schulz_cost_and_agree_on_every_rank():
     shapes = [(512, 512)] * 3 + [(64, 512)] * 6 + [(512, 2048), (8, 8)]
-    infos = [mesh.ShardInfo(None, 4, r, [_slice(s, 4) for s in shapes]) for r in range(4)]
+    infos = [rows.RowShards(None, 4, r, [_slice(s, 4) for s in shapes]) for r in range(4)]
     owners = [info.owners(tuple(range(len(shapes)))) for info in infos]
     assert all(o == owners[0] for o in owners)  # recomputed from the shapes alone, the same everywhere
     cost = lambda s: s[0] * s[1] * min(s)  # noqa: E731
@@ -88,11 +88,9 @@ def test_owner_computes_splits_the_matrices_over_every_rank_of_an_hsdp_mesh():
     """Owners and computing replicas from the shapes alone: with 2 replicas of 2 ranks each
     of the 4 (replica, rank) slots computes about a quarter of the Newton-Schulz work, the
     largest matrices first, and every matrix exactly once."""
-    from purestep.core.engine.mesh import ShardInfo, _Slice
-
     shapes = [(64, 64)] * 4 + [(32, 32)] * 8 + [(16, 16)] * 3
-    slices = [_Slice(torch.Size(s), (0, s[0] // 2), (s[0] // 2, s[0] - s[0] // 2), True) for s in shapes]
-    info = ShardInfo(None, 2, 0, slices, replicas=(None, 2, 0))
+    slices = [rows.RowSlice(torch.Size(s), (0, s[0] // 2), (s[0] // 2, s[0] - s[0] // 2), True) for s in shapes]
+    info = rows.RowShards(None, 2, 0, slices, replicas=(None, 2, 0))
     indices = tuple(range(len(shapes)))
     owner, replica = info.owners(indices), info.computing_replica(indices)
     cost = lambda i: shapes[i][0] ** 3  # noqa: E731
@@ -103,7 +101,7 @@ def test_owner_computes_splits_the_matrices_over_every_rank_of_an_hsdp_mesh():
     total = sum(cost(i) for i in indices)
     assert max(per_slot.values()) <= total / 4 + max(cost(i) for i in indices)
     assert [owner[i] for i in range(4)] == [0, 1, 0, 1] and [replica[i] for i in range(4)] == [0, 0, 1, 1]
-    alone = ShardInfo(None, 2, 0, slices)  # FSDP on one mesh dim: no replicas
+    alone = rows.RowShards(None, 2, 0, slices)  # FSDP on one mesh dim: no replicas
     assert set(alone.computing_replica(indices).values()) == {0}
 
 
@@ -111,7 +109,7 @@ def test_the_blocks_of_a_split_leaf_are_units_of_their_own_owned_apart():
     """A fused (3·d, d) QKV leaf split into q, k, v: three matrices, three owners on three
     ranks (as one leaf it would be all on one rank), each block's rows found on the ranks
     that hold them."""
-    info = mesh.ShardInfo(None, 3, 0, [_slice((48, 16), 3), _slice((16, 16), 3)])
+    info = rows.RowShards(None, 3, 0, [_slice((48, 16), 3), _slice((16, 16), 3)])
     units = ((0, 0, 16), (0, 16, 32), (0, 32, 48))
     owner = info.owners(units)
     assert sorted(owner.values()) == [0, 1, 2]
@@ -121,7 +119,7 @@ def test_the_blocks_of_a_split_leaf_are_units_of_their_own_owned_apart():
     k = info.unit_slice((0, 16, 32))
     assert k.shape == torch.Size((16, 16)) and k.counts == (0, 16, 0) and k.starts[1] == 0
     # an uneven split over 2 ranks (5 rows as 2 + 3; rank 0 holds rows 0-2, rank 1 rows 3-4)
-    two = mesh.ShardInfo(None, 2, 0, [_slice((5, 4), 2)])
+    two = rows.RowShards(None, 2, 0, [_slice((5, 4), 2)])
     first, second = two.unit_slice((0, 0, 2)), two.unit_slice((0, 2, 5))
     assert first.counts == (2, 0) and second.counts == (1, 2) and second.starts == (0, 1)
 
@@ -131,8 +129,8 @@ class _FakeMesh:
         self.mesh = torch.arange(int(torch.tensor(shape).prod())).view(shape)
 
 
-def _blocks(leaf_shape, placements, mesh_shape=(2, 2), rank=0) -> mesh.ShardInfo:
-    """A ShardInfo over TP blocks of one leaf on a fake root mesh (no process group): where
+def _blocks(leaf_shape, placements, mesh_shape=(2, 2), rank=0) -> tp.TPBlocks:
+    """TP blocks of one leaf on a fake root mesh (no process group): where
     each rank's block lies, by DTensor's own offset arithmetic."""
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset as box
 
@@ -140,8 +138,7 @@ def _blocks(leaf_shape, placements, mesh_shape=(2, 2), rank=0) -> mesh.ShardInfo
     boxes = tp.Boxes([torch.empty(leaf_shape)], _FakeMesh(mesh_shape), [dims], [()])
     boxes._boxes[0] = [tuple(map(tuple, reversed(box(leaf_shape, mesh_shape, list(c), placements)))) for c in boxes.coords]
     boxes.leaves = [torch.empty(boxes._boxes[0][rank][1])]
-    s = mesh._Slice(torch.Size(leaf_shape), (0,) * 4, (0,) * 4, True)
-    return mesh.ShardInfo(None, 4, rank, [s], copies=([()], (0, 0)), boxes=boxes)
+    return tp.TPBlocks(4, rank, [torch.Size(leaf_shape)], [()], (0, 0), boxes)
 
 
 def test_tp_blocks_tile_a_matrix_only_where_they_are_boxes():
@@ -149,9 +146,9 @@ def test_tp_blocks_tile_a_matrix_only_where_they_are_boxes():
     from torch.distributed.tensor.placement_types import _StridedShard
 
     # FSDP2 on top of TP: TP's row chunks, each cut in FSDP's; contiguous: an owner can assemble it.
-    assert tp.untiled(_blocks((8, 6), [_StridedShard(0, split_factor=2), Shard(0)])) is None
-    assert tp.untiled(_blocks((8, 6), [Shard(0), Shard(1)])) is None  # rows x columns
-    assert tp.untiled(_blocks((5, 3), [_StridedShard(0, split_factor=2), Shard(0)])) is None  # uneven
+    assert _blocks((8, 6), [_StridedShard(0, split_factor=2), Shard(0)]).untiled() is None
+    assert _blocks((8, 6), [Shard(0), Shard(1)]).untiled() is None  # rows x columns
+    assert _blocks((5, 3), [_StridedShard(0, split_factor=2), Shard(0)]).untiled() is None  # uneven
     # The other order strides the rows (0, 2 | 1, 3 | ...): no boxes; owner-computes declines.
-    bad = tp.untiled(_blocks((8, 4), [Shard(0), _StridedShard(0, split_factor=2)]))
+    bad = _blocks((8, 4), [Shard(0), _StridedShard(0, split_factor=2)]).untiled()
     assert bad is not None and "do not tile" in bad

@@ -1,0 +1,239 @@
+"""FSDP2's row blocks: the placement of a 1-D mesh and of HSDP's (replicate, shard) mesh.
+
+Every DTensor is `Shard(0)` along one mesh dim (the shard group) and `Replicate` on the
+others; each rank of the shard group holds a contiguous block of rows of every leaf
+(`RowSlice`, cut as `torch.chunk` cuts). Reductions are local partials summed in one
+`all_reduce` within the shard group (a replicated leaf counted on rank 0 only); whole-matrix
+math is owner-computes over the rows (`placement.exchange`). On HSDP's mesh each replica is
+a shard group holding every param whole between its ranks, with grads equal across replicas
+(FSDP2 all-reduces them): reductions run within the shard group, so every replica computes
+the same values by the same ops; owner-computes splits the matrices over every
+(replica, rank) slot, and one `all_reduce` across replicas completes every result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from .dtensor import is_dtensor
+from .placement import Placement, exchange
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSlice:
+    """A leaf as the ranks hold it: rows [starts[r], starts[r] + counts[r]) on rank r."""
+
+    shape: torch.Size  # the whole leaf's
+    starts: tuple[int, ...]
+    counts: tuple[int, ...]
+    sharded: bool  # False: every rank holds all of it (Replicate, or a plain tensor)
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.shape[1:])
+
+
+def why_not(pairs: list[tuple[str, Any]]) -> str | None:
+    """Why these (path, leaf) pairs are not row blocks over one mesh, or None when they are:
+    DTensors of one mesh, each `Shard(0)` along the same mesh dim (or replicated), the
+    other mesh dims `Replicate`; plain tensors beside them count as replicated."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    dtensors = [(p, x) for p, x in pairs if is_dtensor(x)]
+    if len({_mesh_key(x.device_mesh) for _, x in dtensors}) != 1:
+        return "the params' DTensors do not live on one device mesh"
+    dims = set()
+    for path, x in dtensors:
+        placements = tuple(x.placements)
+        split = [d for d, p in enumerate(placements) if not isinstance(p, Replicate)]
+        if len(split) > 1 or (split and (type(placements[split[0]]) is not Shard or placements[split[0]].dim != 0)):
+            return f"param '{path}' is placed {placements} over a {x.device_mesh.ndim}-D mesh, not in row blocks"
+        dims.update(split)
+    if len(dims) > 1:
+        return f"the params are split along mesh dims {sorted(dims)}, not one"
+    return None
+
+
+def _mesh_key(mesh: Any) -> tuple:
+    """One mesh by its ranks (fully_shard per block makes equal mesh objects)."""
+    return (mesh.device_type, tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()))
+
+
+def placement(pairs: list[tuple[str, Any]]) -> RowShards:
+    """The row blocks of these (path, leaf) pairs (`why_not` says None for them)."""
+    from torch.distributed.tensor import Replicate
+
+    dtensors = [x for _, x in pairs if is_dtensor(x)]
+    mesh = dtensors[0].device_mesh
+    dims = {d for x in dtensors for d, p in enumerate(x.placements) if not isinstance(p, Replicate)}
+    dim = dims.pop() if dims else mesh.ndim - 1
+    group = mesh.get_group(dim) if mesh.ndim > 1 else mesh.get_group()
+    world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    replicas = None
+    if mesh.ndim == 2:  # HSDP: the other mesh dim holds the replicas
+        other = mesh.get_group(1 - dim)
+        if torch.distributed.get_world_size(other) > 1:
+            replicas = (other, torch.distributed.get_world_size(other), torch.distributed.get_rank(other))
+    slices = [_slice_of(p, x, world, rank) for p, x in pairs]
+    return RowShards(group, world, rank, slices, replicas, device=dtensors[0].device)
+
+
+def _slice_of(path: str, x: Any, world: int, rank: int) -> RowSlice:
+    """How the ranks of the shard group hold `x` (row blocks as torch.chunk cuts them)."""
+    from torch.distributed.tensor import Replicate
+
+    if not is_dtensor(x) or all(isinstance(p, Replicate) for p in x.placements):
+        return RowSlice(x.shape, (0,) * world, (x.shape[0] if x.dim() else 1,) * world, False)
+    rows = x.shape[0]
+    chunk = -(-rows // world)  # torch.chunk: ceil(rows / world) rows per rank, the last ones fewer or none
+    starts = tuple(min(r * chunk, rows) for r in range(world))
+    counts = tuple(min(chunk, rows - s) for s in starts)
+    if tuple(x._local_tensor.shape) != (counts[rank], *x.shape[1:]):
+        raise ValueError(
+            f"param '{path}': this rank holds {tuple(x._local_tensor.shape)} of {tuple(x.shape)}, not torch.chunk's "
+            f"{(counts[rank], *x.shape[1:])} rows; purestep's sharded step takes FSDP2's even chunking"
+        )
+    return RowSlice(x.shape, starts, counts, True)
+
+
+class RowShards(Placement):
+    """Row blocks over one shard group, and HSDP's replicas of it (see the module docstring)."""
+
+    def __init__(
+        self,
+        group: Any,
+        world: int,
+        rank: int,
+        slices: list[RowSlice],
+        replicas: tuple[Any, int, int] | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        # a replicated leaf weighs 1 on rank 0 only
+        weights = [1.0 if s.sharded or rank == 0 else 0.0 for s in slices]
+        super().__init__(group, world, rank, [s.shape for s in slices], [s.sharded for s in slices], weights, device)
+        self.slices = slices
+        # HSDP: (the group of this rank's replicas, their number, this rank's index among them)
+        self.replica_group: Any
+        self.replica_group, self.replicas, self.replica = replicas if replicas is not None else (None, 1, 0)
+
+    def tags(self, index: int) -> tuple:
+        return (("sharded", self.sharded[index]),)
+
+    def declines(self, reductions: set[str], per_row_state: bool) -> str | None:
+        return None  # a row block holds whole rows: per-row statistics and owner-computes both run
+
+    def describe(self) -> str:
+        if self.replicas > 1:
+            return (
+                f"HSDP, {self.replicas} replicas x {self.world} shards: reductions are one all_reduce within each "
+                f"replica's {self.world} ranks; whole-matrix math is owner-computes over all "
+                f"{self.replicas * self.world} ranks (an all_to_all each way within a replica, one all_reduce across "
+                "replicas; a split leaf's blocks are matrices of their own)"
+            )
+        return (
+            f"FSDP over {self.world} rank(s): reductions are one all_reduce each; whole-matrix math is owner-computes "
+            "(an all_to_all each way; a split leaf's blocks are matrices of their own)"
+        )
+
+    def unit_slice(self, unit: Any) -> RowSlice:
+        """How the ranks hold a unit of owner-computes: a leaf index (the whole leaf), or
+        `(leaf index, a, b)`, the matrix of its rows [a, b) (a block of a split leaf)."""
+        if not isinstance(unit, tuple):
+            return self.slices[unit]
+        i, a, b = unit
+        s = self.slices[i]
+        lo = [min(max(a, start), b) for start in s.starts]
+        hi = [max(min(b, start + count), low) for start, count, low in zip(s.starts, s.counts, lo)]
+        rel = tuple(low - a for low in lo)
+        return RowSlice(torch.Size((b - a, *s.shape[1:])), rel, tuple(h - low for low, h in zip(lo, hi)), True)
+
+    def _cost(self, unit: Any) -> int:
+        """Newton-Schulz's cost of a unit's matrix: m·n·min(m, n)."""
+        s = self.unit_slice(unit)
+        rows, cols = s.shape[0], s.row_numel
+        return rows * cols * min(rows, cols)
+
+    def _matrices(
+        self, blocks: dict[int, Tensor], lead: dict[int, int], extra_of: dict[int, Any], run: Callable
+    ) -> dict[int, Tensor]:
+        """Replicated leaves are computed where they are. Row blocks of a leaf whose dim 0
+        indexes matrices (batch_dims >= 1: experts) are whole matrices: each rank computes its
+        own, with no collective, and an expert leaf's work is split over the ranks as its rows
+        are. Every other sharded leaf is owner-computed: a leaf whose `extra` is its blocks' row
+        sizes (Muon's `split`) as one unit per block, each its own matrix at its own owner."""
+        results: dict[int, Tensor] = {}
+        sharded = [i for i in sorted(blocks) if self.sharded[i]]
+        local = [i for i in sorted(blocks) if not self.sharded[i]]
+        local += [i for i in sharded if lead[i] >= 1 and blocks[i].shape[0]]
+        results.update((i, blocks[i]) for i in sharded if lead[i] >= 1 and not blocks[i].shape[0])
+        if local:
+            results.update(zip(local, run([blocks[i] for i in local], local)))
+        owned = [i for i in sharded if lead[i] < 1]
+        if not owned:
+            return results
+        units: list[Any] = []
+        for i in owned:
+            sizes = extra_of.get(i)
+            if isinstance(sizes, (tuple, list)) and len(sizes) > 1:
+                ends = [sum(sizes[: k + 1]) for k in range(len(sizes))]
+                units.extend((i, end - size, end) for size, end in zip(sizes, ends))
+            else:
+                units.append(i)
+        mine: dict[Any, Tensor] = {}  # this rank's rows of every unit
+        for u in units:
+            if not isinstance(u, tuple):
+                mine[u] = blocks[u]
+                continue
+            i, a, _ = u
+            start, first = self.slices[i].starts[self.rank], self.unit_slice(u).starts[self.rank] + a
+            mine[u] = blocks[i][first - start : first - start + self.unit_slice(u).counts[self.rank]]
+
+        def run_units(mats: list[Tensor], us: list[Any]) -> list[Tensor]:  # a block is a whole matrix: no split
+            idx = [u[0] if isinstance(u, tuple) else u for u in us]
+            return run(mats, idx, [None if isinstance(u, tuple) else extra_of.get(u) for u in us])
+
+        done = self._owner_computes(tuple(units), mine, run_units)
+        out: dict[int, list[Tensor]] = {}
+        for u in units:
+            out.setdefault(u[0] if isinstance(u, tuple) else u, []).append(done[u])
+        results.update((i, torch.cat(parts) if len(parts) > 1 else parts[0]) for i, parts in out.items())
+        return results
+
+    def _owner_computes(self, units: tuple, blocks: dict[Any, Tensor], run: Callable) -> dict[Any, Tensor]:
+        sl = {u: self.unit_slice(u) for u in units}
+
+        def rows(u: Any, r: int) -> int:
+            return sl[u].counts[r] * sl[u].row_numel
+
+        def assemble(u: Any, pieces: list[Tensor]) -> Tensor:
+            parts = [p.view(sl[u].counts[s], *sl[u].shape[1:]) for s, p in enumerate(pieces)]
+            return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+        def cut(u: Any, result: Tensor, r: int) -> Tensor:
+            return result[sl[u].starts[r] : sl[u].starts[r] + sl[u].counts[r]]
+
+        def compute(whole: list[Tensor], mine: list) -> list[Tensor]:
+            return self._replicas_compute(units, mine, whole, run)
+
+        return exchange(self, units, blocks, rows, rows, assemble, cut, compute)
+
+    def _replicas_compute(self, units: tuple, mine: list, whole: list[Tensor], run: Callable) -> list[Tensor]:
+        """`run` on the whole matrices this rank owns. Without replicas, on all of them. With
+        HSDP's replicas, each replica's owner computes its share (`computing_replica`) and one
+        all_reduce over the replicas (zeros where another computed: the sum is exact) gives
+        every replica every result."""
+        if self.replica_group is None:
+            return run(whole, mine)
+        replica = self.computing_replica(units)
+        todo = [k for k, u in enumerate(mine) if replica[u] == self.replica]
+        results = dict(zip(todo, run([whole[k] for k in todo], [mine[k] for k in todo]))) if todo else {}
+        flat = torch.cat(
+            [results[k].reshape(-1) if k in results else torch.zeros_like(w).reshape(-1) for k, w in enumerate(whole)]
+        )
+        flat = self.all_reduce(flat, self.replica_group)
+        return [part.view(w.shape) for part, w in zip(flat.split([w.numel() for w in whole]), whole)]

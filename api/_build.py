@@ -20,7 +20,7 @@ import purestep.core as ps
 from .errors import ConfigError
 
 if TYPE_CHECKING:  # the config module builds through this one
-    from .config import OptimizerConfig, ScheduleConfig
+    from ._sections import OptimizerConfig, ScheduleConfig
 
 Argument = tuple[str, Any, str]  # (keyword, value, config field)
 

@@ -10,8 +10,9 @@ a run that has done its steps says there is nothing to do.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, cast
+from typing import Annotated, Any, cast
 
 import msgspec
 
@@ -25,10 +26,6 @@ from ._report import MetricsFile, log
 from .checkpoint import MANIFEST, Checkpoint, CheckpointManager, checkpoint_dir, read_manifest
 from .config import resume_changes
 from .errors import CheckpointError, ConfigError, RunDirError
-
-
-if TYPE_CHECKING:
-    from .trainer import Trainer
 
 _Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 62)]
 
@@ -92,6 +89,24 @@ class LoopState:
         self.recent = collections.deque(state.get("recent", []), maxlen=self.recent.maxlen)
 
 
+def finished(config: Any, loop: LoopState) -> bool:
+    """Whether a run at `loop` has done its `config.steps` (or spent its `time_budget`)."""
+    budget = config.time_budget
+    return loop.step >= config.steps or (budget is not None and loop.elapsed >= budget)
+
+
+@dataclasses.dataclass
+class TrainState:
+    """What a checkpoint saves of a run and restores into, in place: the params (the
+    model's tensors by name, as the update sees them), the optimizer state, the EMA (or
+    None) and the `LoopState`."""
+
+    params: dict[str, Tensor]
+    opt_state: Any
+    ema: Any
+    loop: LoopState
+
+
 class RunDir:
     """A Trainer's run directory (`out`), or none: what it holds and who may write it.
 
@@ -99,11 +114,12 @@ class RunDir:
     second writer, fresh or resuming, is refused naming the holder), the checkpoints under
     `out/checkpoints` (`CheckpointManager`), `metrics.jsonl` (`MetricsFile`) and the step
     last saved. Without `out` there are no checkpoints and the metrics go nowhere. `save`,
-    `restore` and `open` read and write the Trainer's model, state and `LoopState`.
+    `restore` and `open` read and write a `TrainState`'s tensors and loop, in place.
     """
 
     def __init__(self, out: str | Path | None, config: Any, world: Any, *, sharded: bool) -> None:
         self.out = Path(out) if out is not None else None
+        self.config, self.world = config, world
         self.checkpoints = (
             None
             if self.out is None
@@ -129,48 +145,50 @@ class RunDir:
     def checkpoint_path(self, step: int) -> Path:
         return checkpoint_dir(cast(Path, self.out), step)
 
-    def save(self, t: Trainer) -> Path | None:
-        """Write the checkpoint of `t.step` (collective); the path on the main rank."""
+    def save(self, state: TrainState) -> Path | None:
+        """Write the checkpoint of `state` at its step (collective); the path on the main rank."""
         if self.checkpoints is None:
             return None
+        step = state.loop.step
         path = self.checkpoints.save(
-            t.step,
-            params=t.params(),
-            opt_state=t.opt_state,
-            ema=t.ema,
-            config=t.config,
-            data_state={"step": t.step, "seed": t.config.seed},
-            metadata={"trainer": t.loop.state_dict(), "world_size": t.world.size},
+            step,
+            params=state.params,
+            opt_state=state.opt_state,
+            ema=state.ema,
+            config=self.config,
+            data_state={"step": step, "seed": self.config.seed},
+            metadata={"trainer": state.loop.state_dict(), "world_size": self.world.size},
         )
-        self.saved_at = t.step
+        self.saved_at = step
         return path
 
-    def restore(self, t: Trainer) -> Checkpoint | None:
-        """Load the newest checkpoint that loads into `t`'s model, state and loop, in place; None when none does."""
+    def restore(self, state: TrainState) -> Checkpoint | None:
+        """Load the newest checkpoint that loads into `state`'s tensors and loop, in place; None when none does."""
         if self.checkpoints is None:
             return None
-        params = t.params()
         c = self.checkpoints.restore(
-            params_like=params, opt_state_like=t.opt_state, ema_like=t.ema, check=LoopState.check
+            params_like=state.params, opt_state_like=state.opt_state, ema_like=state.ema, check=LoopState.check
         )
         if c is None:
             return None
         # Into the tensors the compiled, donated update already holds.
-        D.copy_into_(params, c.params)
-        D.copy_into_(t.opt_state, c.opt_state)
-        if t.ema is not None:
-            D.copy_into_(t.ema, c.ema)
-        t.loop.load_state_dict({**c.manifest.metadata.get("trainer", {}), "step": c.step})
+        D.copy_into_(state.params, c.params)
+        D.copy_into_(state.opt_state, c.opt_state)
+        if state.ema is not None:
+            D.copy_into_(state.ema, c.ema)
+        state.loop.load_state_dict({**c.manifest.metadata.get("trainer", {}), "step": c.step})
         self.saved_at = c.step
-        t.nonfinite_logged = int(t.nonfinite())
-        if t.world.size == c.manifest.metadata.get("world_size", 1):
+        if self.world.size == c.manifest.metadata.get("world_size", 1):
             c.restore_rng()
         return c
 
-    def open(self, t: Trainer, resume: bool) -> bool:
-        """Hold the run directory and prepare it for training, resuming if asked; False when there is nothing left to train."""
+    def open(self, state: TrainState, resume: bool, hyperparams: dict[str, Any]) -> bool:
+        """Hold the run directory and prepare it for training, resuming into `state` if asked (a
+        resumed run keeps `hyperparams`, its own constant ones); False when there is nothing
+        left to train."""
+        config, world, loop = self.config, self.world, state.loop
         if self.out is None or self.checkpoints is None:
-            if t.config.checkpoint_every:
+            if config.checkpoint_every:
                 raise ConfigError("checkpoint_every", "checkpoints need a run directory: pass out=")
             return True
         out, checkpoints = self.out, self.checkpoints
@@ -181,48 +199,48 @@ class RunDir:
             raise RunDirError(f"{out}: already holds a run; pass --resume to continue it or a new --out")
         if resume and held:
             manifest = read_manifest(latest) if latest is not None else None
-            changes = resume_changes(manifest.config if manifest else None, t.config, manifest.step if manifest else 0)
+            changes = resume_changes(manifest.config if manifest else None, config, manifest.step if manifest else 0)
             if latest is None and not checkpoints.has_candidates():
                 # Killed before its first checkpoint (metrics only): start over, as Lightning's ckpt_path="last" does.
-                if t.world.main:
+                if world.main:
                     log(
                         f"warning: {out} holds no checkpoint (the run stopped before its first); "
                         "starting from step 0, its metrics.jsonl is rewritten"
                     )
-            elif self.restore(t) is None:
+            elif self.restore(state) is None:
                 raise RunDirError(
                     f"{out}: no checkpoint in {out / 'checkpoints'} loads (see the warnings above); "
                     "move the damaged ones aside to start over from step 0, or pass a new --out"
                 )
             else:
-                _take_hyperparams(t)
-                if t.world.main:
-                    log(f"resumed from {checkpoint_dir(out, t.step)} at step {t.step}")
+                _take_hyperparams(state.opt_state, hyperparams)
+                if world.main:
+                    log(f"resumed from {checkpoint_dir(out, loop.step)} at step {loop.step}")
                     for message in changes:
                         log(f"resume: {message}")
-                    budget = t.config.time_budget
-                    if budget is not None and t.elapsed >= budget and t.step < t.config.steps:
+                    budget = config.time_budget
+                    if budget is not None and loop.elapsed >= budget and loop.step < config.steps:
                         log(
-                            f"nothing to do: the run spent its time_budget ({t.elapsed:.0f} of {budget:g} s) at step "
-                            f"{t.step}; pass a larger --set time_budget=... to train on"
+                            f"nothing to do: the run spent its time_budget ({loop.elapsed:.0f} of {budget:g} s) at "
+                            f"step {loop.step}; pass a larger --set time_budget=... to train on"
                         )
-                    elif t.finished():
+                    elif finished(config, loop):
                         log(
-                            f"nothing to do: the run finished at step {t.step} (steps={t.config.steps}); "
+                            f"nothing to do: the run finished at step {loop.step} (steps={config.steps}); "
                             "pass a larger --steps to train on"
                         )
-                if t.finished():
+                if finished(config, loop):
                     return False
-        D.barrier(t.world)
-        if t.world.main:
+        D.barrier(world)
+        if world.main:
             out.mkdir(parents=True, exist_ok=True)
-            self.metrics.keep_until(t.step)  # drop what was logged after the checkpoint resumed from
+            self.metrics.keep_until(loop.step)  # drop what was logged after the checkpoint resumed from
         return True
 
 
-def _take_hyperparams(t: Trainer) -> None:
+def _take_hyperparams(opt_state: Any, hyperparams: dict[str, Any]) -> None:
     """A resumed run keeps its own constant hyperparameters, not the checkpoint's (schedules re-evaluate the rest)."""
-    held = ps.get_hyperparams(t.opt_state)
-    for key, value in t.hyperparams.items():
+    held = ps.get_hyperparams(opt_state)
+    for key, value in hyperparams.items():
         for dst, src in zip(pytree.tree_leaves(held[key]), pytree.tree_leaves(value)):
             dst.copy_(src)

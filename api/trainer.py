@@ -335,18 +335,23 @@ class Trainer:
     # Checkpoints.
     # ------------------------------------------------------------------ #
 
+    def state(self) -> run_dir.TrainState:
+        """What a checkpoint saves of this run: the params, optimizer state, EMA and loop (the Trainer's own tensors)."""
+        return run_dir.TrainState(self.params(), self.opt_state, self.ema, self.loop)
+
     def save(self) -> Path | None:
         """Write a checkpoint of this step (collective; the path on the main rank)."""
-        return self.run.save(self)
+        return self.run.save(self.state())
 
     def rewind(self) -> dict[str, Any]:
         """Back to the last checkpoint after repeated loss spikes; the batches since are skipped."""
         at = self.loop.step
-        c = self.run.restore(self)
+        c = self.run.restore(self.state())
         self.loop.spikes = 0
         if c is None:
             log(f"step {at}: repeated loss spikes but no checkpoint to rewind to; skipping on")
             return {"to": None}
+        self.nonfinite_logged = int(self.nonfinite())
         self.loop.skip.append([self.loop.step, at])
         log(
             f"step {at}: repeated loss spikes: rewound to step {self.loop.step}, skipping batches {self.loop.step}..{at - 1}"
@@ -355,8 +360,7 @@ class Trainer:
 
     def finished(self) -> bool:
         """Whether the run has done its `steps` (or spent its `time_budget`)."""
-        budget = self.config.time_budget
-        return self.loop.step >= self.config.steps or (budget is not None and self.loop.elapsed >= budget)
+        return run_dir.finished(self.config, self.loop)
 
     # ------------------------------------------------------------------ #
     # The loop.
@@ -409,8 +413,9 @@ class Trainer:
             self.run.release()  # the run directory is this run's until it returns
 
     def _fit(self, resume: bool) -> dict[str, Any]:
-        if not self.run.open(self, resume):
+        if not self.run.open(self.state(), resume, self.hyperparams):
             return dict(self.last, step=self.loop.step)
+        self.nonfinite_logged = int(self.nonfinite())  # a resumed run logs only its new skips
         # batches the source gave out
         start = max([self.loop.step] + [b for a, b in self.loop.skip if a <= self.loop.step])
         self.batches = self._batches(start)

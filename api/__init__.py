@@ -9,6 +9,7 @@ from .checkpoint import load_checkpoint as load_checkpoint
 from .checkpoint import read_manifest as read_manifest
 from .checkpoint import save_checkpoint as save_checkpoint
 from .config import DataConfig as DataConfig
+from .config import DiLoCoConfig as DiLoCoConfig
 from .config import ModelConfig as ModelConfig
 from .config import OptimizerConfig as OptimizerConfig
 from .config import ScheduleConfig as ScheduleConfig
@@ -38,6 +39,7 @@ __all__: list[str] = [
     "ScheduleConfig",
     "ModelConfig",
     "DataConfig",
+    "DiLoCoConfig",
     "ConfigError",
     "RunDirError",
     "load_config",

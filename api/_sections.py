@@ -76,3 +76,17 @@ class DataConfig(_Section):  # type: ignore[misc]  # msgspec's frozen Struct, no
     max_bytes: Union[PositiveInt, None] = 2_000_000
     val_fraction: Annotated[float, Meta(gt=0, lt=1)] = 0.05
     kwargs: dict[str, Any] = {}
+
+
+class DiLoCoConfig(_Section):  # type: ignore[misc]  # msgspec's frozen Struct, not a dataclass
+    """`[diloco]`: DiLoCo's outer loop around the optimizer (`ps.diloco`), on when
+    `sync_every` is set: every `sync_every` steps the workers average their pseudo-gradients
+    and the anchor takes an outer SGD step (`outer_lr`, Nesterov momentum `outer_momentum`;
+    0: none). The workers are the ranks under `strategy = "ddp"` (no grad all-reduce: each
+    rank trains on its own rows, and the sync is the only traffic between them); under
+    `"single"` the one process is one worker (MuLoCo's single-worker recipe).
+    """
+
+    sync_every: Union[PositiveInt, None] = None
+    outer_lr: NonNegativeFloat = 0.7
+    outer_momentum: Annotated[float, Meta(ge=0, lt=1)] = 0.9

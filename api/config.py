@@ -19,7 +19,7 @@ from msgspec import Meta
 import purestep.core as ps
 
 from ._build import build_optimizer, build_schedule
-from ._sections import DataConfig, ModelConfig, OptimizerConfig, ScheduleConfig, _Section
+from ._sections import DataConfig, DiLoCoConfig, ModelConfig, OptimizerConfig, ScheduleConfig, _Section
 from ._sections import NonNegativeFloat, NonNegativeInt, PositiveInt
 from ._config_files import read_config_file
 from .errors import ConfigError as ConfigError
@@ -64,7 +64,8 @@ class TrainConfig(_Section):  # type: ignore[misc]  # msgspec's frozen Struct, n
     `optimizer` + `schedule` the transform, `model` the GPT, `data` the corpus. Given an
     object (`transform=`, `model=`, `data=`), a section changed from its defaults would
     be ignored, so it is refused (a `ConfigError` naming the field); the one exception is
-    `optimizer.clip_grad_norm`, which the Trainer chains in front of a given transform.
+    `optimizer.clip_grad_norm`, which the Trainer chains in front of a given transform. The
+    `diloco` section wraps whichever transform runs in DiLoCo's outer loop (`DiLoCoConfig`).
 
     Examples:
         >>> from purestep.api import TrainConfig, apply_overrides
@@ -97,6 +98,7 @@ class TrainConfig(_Section):  # type: ignore[misc]  # msgspec's frozen Struct, n
     schedule: ScheduleConfig = ScheduleConfig()
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
+    diloco: DiLoCoConfig = DiLoCoConfig()
 
     def __post_init__(self) -> None:
         if self.batch_size % self.grad_accum:
@@ -112,6 +114,12 @@ class TrainConfig(_Section):  # type: ignore[misc]  # msgspec's frozen Struct, n
                 "precision",
                 f"'bf16-true' is not supported with strategy='{self.strategy}' (FSDP2 keeps "
                 "float32 sharded params and casts them to bf16 for compute itself); use precision='bf16'",
+            )
+        if self.diloco.sync_every is not None and self.strategy not in ("single", "ddp"):
+            raise ConfigError(
+                "diloco.sync_every",
+                f"DiLoCo's workers are the ranks of strategy='ddp' (or the one process of 'single'); "
+                f"strategy='{self.strategy}' is not built for it",
             )
         if self.replicate and self.strategy != "hsdp":
             raise ConfigError(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Callable, cast
 
 import torch
 import torch.distributed as dist
@@ -157,18 +157,19 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
     return []
 
 
-def wrap(model: nn.Module, world: World, *, precision: str = "fp32") -> nn.Module:
+def wrap(model: nn.Module, world: World, *, precision: str = "fp32", local_sgd: bool = False) -> nn.Module:
     """`model` on `world.device` (cast to bf16 for precision "bf16-true"), wrapped for the
     strategy (DDP, or FSDP2 per block then root, over every rank or, for HSDP, over a
     (replicate, shard) mesh; FSDP2 on CUDA casts to bf16 for "bf16"). With tensor
     parallelism the model's `tp_plan(degree)` is applied over the mesh's "tp" dim first
-    (for "fsdp+tp", FSDP2 then shards over its "dp" dim)."""
+    (for "fsdp+tp", FSDP2 then shards over its "dp" dim). `local_sgd` (DiLoCo's workers,
+    under DDP): no grad all-reduce between workers, so no DDP wrapper."""
     if precision == "bf16-true" and world.strategy in FSDP:
         raise ValueError(
             f"precision='bf16-true' is not supported with strategy='{world.strategy}'; use precision='bf16'"
         )
     model = model.to(world.device, dtype=torch.bfloat16 if precision == "bf16-true" else None)
-    if world.strategy == "ddp":
+    if world.strategy == "ddp" and not local_sgd:
         ids = [world.device.index] if world.device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=ids)
     if world.strategy in TP:
@@ -199,6 +200,22 @@ def wrap(model: nn.Module, world: World, *, precision: str = "fp32") -> nn.Modul
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
     return model
+
+
+def worker_mean(world: World) -> Callable[[Any], Any] | None:
+    """DiLoCo's `reduce` under DDP: the mean of a tree over every rank, one all_reduce per
+    leaf (functional collectives: they trace into a compiled step); None for one worker."""
+    if not world.distributed or world.size == 1:
+        return None
+
+    def reduce(tree: Any) -> Any:
+        import torch.distributed._functional_collectives as fc
+
+        return pytree.tree_map(
+            lambda x: fc.wait_tensor(fc.all_reduce(x, "sum", cast(Any, dist.group.WORLD))) / world.size, tree
+        )
+
+    return reduce
 
 
 def unwrap(model: nn.Module) -> nn.Module:

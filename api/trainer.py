@@ -104,9 +104,9 @@ class Trainer:
         k, w = cfg.grad_accum, self.world.dp_size
         if is_step_indexed(self.data) and cfg.batch_size % (k * w):
             raise ConfigError("batch_size", f"{cfg.batch_size} rows do not split into {w} rank(s) x {k} micro-batches")
-        self.module = D.wrap(
-            model if model is not None else build_model(cfg.model), self.world, precision=cfg.precision
-        )
+        local_sgd = cfg.diloco.sync_every is not None  # DiLoCo's workers: no grad all-reduce
+        model = model if model is not None else build_model(cfg.model)
+        self.module = D.wrap(model, self.world, precision=cfg.precision, local_sgd=local_sgd)
         self.model: Any = torch.compile(self.module) if cfg.compile else self.module
         self.named = dict(D.unwrap(self.module).named_parameters())
         # Detached aliases that a compiled, donated update re-points into its flat buffers
@@ -127,6 +127,10 @@ class Trainer:
         if cfg.bf16_params and not holds(transform, params, ps.CompensatedUpdatesState):
             transform = ps.chain(transform, ps.compensated_updates())  # last: it sees the final update
         self.transform = ps.apply_if_finite(transform)
+        if local_sgd:  # the skip inside: every worker counts every step, so the syncs line up
+            d = cfg.diloco
+            outer = ps.sgd(d.outer_lr, momentum=d.outer_momentum, nesterov=d.outer_momentum > 0)
+            self.transform = ps.diloco(self.transform, outer, cast(int, d.sync_every), D.worker_mean(self.world))
         if ema is None and cfg.ema_decay:
             ema = ps.params_ema(cfg.ema_decay, dtype=torch.float32 if cfg.bf16_params else None)
         # Donated on every strategy: under FSDP2 the update runs on flat buffers of this
@@ -192,8 +196,8 @@ class Trainer:
 
     def _sync(self, last: bool) -> contextlib.AbstractContextManager:
         """Reduce gradients only on the last micro-batch."""
-        if self.world.strategy == "ddp" and not last:
-            return cast(Any, self.module).no_sync()
+        if isinstance(self.module, torch.nn.parallel.DistributedDataParallel) and not last:
+            return self.module.no_sync()
         if self.fsdp:
             cast(Any, self.module).set_requires_gradient_sync(last)
         return contextlib.nullcontext()

@@ -31,6 +31,8 @@ from ._hyperparams import InjectHyperparamsState as InjectHyperparamsState
 from ._combine import MaskedState as MaskedState
 from ._combine import PartitionState as PartitionState
 from ._combine import accumulate as accumulate
+from ._diloco import DiLoCoState as DiLoCoState
+from ._diloco import diloco as diloco
 from ._combine import apply_if_finite as apply_if_finite
 from ._combine import chain as chain
 from ._combine import identity as identity
@@ -184,12 +186,14 @@ __all__ = [
     "set_hyperparam",
     "apply_if_finite",
     "accumulate",
+    "diloco",
     "identity",
     "MaskedState",
     "PartitionState",
     "InjectHyperparamsState",
     "ApplyIfFiniteState",
     "AccumulateState",
+    "DiLoCoState",
     # building blocks
     "scale",
     "scale_by_lr",

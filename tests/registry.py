@@ -84,6 +84,7 @@ TRANSFORMS: dict[str, Case] = {
         Case("inject_hyperparams", lambda: ps.inject_hyperparams(ps.adamw)(lr=lambda t: 1e-2 * 0.9**t)),
         Case("apply_if_finite", lambda: ps.apply_if_finite(ps.adam(1e-2))),
         Case("accumulate", lambda: ps.accumulate(ps.sgd(0.1, momentum=0.9), every=2)),
+        Case("diloco", lambda: ps.diloco(ps.adamw(1e-2, weight_decay=0.1), ps.sgd(0.7, momentum=0.9, nesterov=True), 2)),
         Case("clip_by_global_norm", lambda: ps.clip_by_global_norm(1.0), needs_params=False),
         Case("clip_by_value", lambda: ps.clip_by_value(0.5), needs_params=False),
         Case("adaptive_clip", lambda: ps.adaptive_clip(0.05)),
@@ -182,5 +183,5 @@ NOT_TRANSFORMS = {
     "stochastic_round", "quantize_blockwise", "dequantize_blockwise", "QuantizedTensor", "CompensatedUpdatesState",
     "ScaleByAdemamixState", "mup_lr_multipliers",
     "ScaleByAdoptState", "ProdigyState", "ScaleByMarsState", "ScaleByLapropState", "DecayAfterState", "AdamcState",
-    "ScaleByKronState",
+    "ScaleByKronState", "DiLoCoState",
 }

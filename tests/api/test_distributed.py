@@ -185,6 +185,34 @@ def test_ddp_on_two_ranks_ends_with_the_single_process_params(tmp_path, same_dev
         torch.testing.assert_close(ddp.ema[f"params.{k}"], e, rtol=1e-3, atol=1e-5)
 
 
+DILOCO_SGD = [
+    "optimizer.name=sgd", "optimizer.lr=0.5", "optimizer.kwargs={}", "optimizer.clip_grad_norm=none",
+    "schedule.name=constant", "schedule.warmup_steps=none", "ema_decay=none",
+]
+
+
+def test_diloco_under_ddp_makes_each_rank_a_worker_and_syncing_every_step_is_ddp(tmp_path, same_device_as_the_ranks):
+    """`[diloco]` under DDP: no grad all-reduce, each rank a worker on its own rows, the
+    pseudo-gradients averaged at each sync. With plain SGD inside, an outer SGD of lr 1 and
+    no momentum, and a sync every step, the average of the workers' SGD steps from one point
+    is DDP's step: the run must end on the one-process params (the check fails if the ranks
+    still all-reduced their grads, as the step would then be taken twice, or never averaged)."""
+    diloco = ["diloco.sync_every=1", "diloco.outer_lr=1", "diloco.outer_momentum=0", "compile=true"]
+    sets = [f"--set={o}" for o in [*DILOCO_SGD, *diloco]]
+    out = torchrun(str(tmp_path / "diloco"), "ddp", "4", *sets)
+    assert "path flat" in out.stdout, out.stdout[-2000:]
+    ref = trainer(tmp_path / "single", "steps=4", *DILOCO_SGD)
+    ref.fit()
+    got = load_checkpoint(tmp_path / "diloco" / "checkpoints" / "step_00000004")
+    start = trainer(None, "steps=4", *DILOCO_SGD)
+    moved = 0.0
+    for k, p in ref.named.items():
+        torch.testing.assert_close(got.params[k], p.detach(), rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(got.opt_state[f"anchor.{k}"], p.detach(), rtol=1e-4, atol=1e-6)
+        moved = max(moved, (p.detach() - start.named[k].detach()).abs().max().item())
+    assert moved > 1e-3
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_bf16_run_trains(tmp_path):
     t = trainer(tmp_path, "steps=6", "precision=bf16")

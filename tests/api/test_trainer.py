@@ -197,6 +197,29 @@ def test_bf16_true_checkpoints_the_compensation_buffer_and_resumes_bitwise(tmp_p
     assert_same_checkpoint(tmp_path / "whole" / "checkpoints" / "step_00000008", tmp_path / "cut" / "checkpoints" / "step_00000008")
 
 
+def test_single_worker_diloco_syncs_on_schedule_and_resumes_bitwise_between_syncs(tmp_path):
+    """`[diloco]` in one process (MuLoCo's single-worker recipe): the anchor moves at the
+    syncs only and the checkpoint holds it with the outer momentum; resumed from step 4 (a
+    step after the sync at 3), the run ends on the same bits."""
+    run = ("steps=8", "checkpoint_every=4", "diloco.sync_every=3", "diloco.outer_lr=0.7")
+    whole = trainer(tmp_path / "whole", *run)
+    assert isinstance(whole.opt_state, ps.DiLoCoState)
+    start = {k: v.clone() for k, v in whole.opt_state.anchor.items()}
+    whole.fit()
+    c = load_checkpoint(tmp_path / "whole" / "checkpoints" / "step_00000004")
+    moved = {k for k, v in start.items() if not torch.equal(c.opt_state[f"anchor.{k}"], v)}
+    assert moved == set(start)  # moved at the sync of step 3
+    assert any(k.startswith("outer_state.") for k in c.opt_state) and int(c.opt_state["count"]) == 4
+    shutil.copytree(tmp_path / "whole", tmp_path / "cut")
+    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step_00000008")
+    rest = trainer(tmp_path / "cut", *run)
+    rest.fit(resume=True)
+    assert rest.step == 8
+    assert_same_checkpoint(tmp_path / "whole" / "checkpoints" / "step_00000008", tmp_path / "cut" / "checkpoints" / "step_00000008")
+    with pytest.raises(ConfigError, match="diloco.sync_every"):
+        tiny_config("diloco.sync_every=3", "strategy=fsdp")
+
+
 def test_bf16_true_casts_a_given_model_and_its_float_inputs_and_keeps_a_given_compensation():
     cfg = apply_overrides(TrainConfig(), ["steps=3", "batch_size=8", "precision=bf16-true"])
     t = _linear_run(cfg, ps.chain(ps.sgd(lr=1e-3), ps.compensated_updates(method="stochastic")))

@@ -21,9 +21,9 @@ import purestep.core as ps
 from purestep.core import _foreach
 from tests.registry import TRANSFORMS
 
-# Their refit (SOAP's preconditioner refresh, Kron's draw) is a data-dependent branch: eager,
-# torch.cond reads the predicate on the host; compiled, it stays a device-side cond.
-READS_A_BRANCH = {"soap", "scale_by_soap", "kron", "scale_by_kron"}
+# Their refit (SOAP's preconditioner refresh, Kron's draw) or DiLoCo's sync is a data-dependent
+# branch: eager, torch.cond reads the predicate on the host; compiled, it stays a device-side cond.
+READS_A_BRANCH = {"soap", "scale_by_soap", "kron", "scale_by_kron", "diloco"}
 
 
 class HostRead(AssertionError):

@@ -12,7 +12,6 @@ import inspect
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-import torch.utils._pytree as pytree
 from torch import Tensor
 
 import purestep.core as ps
@@ -153,8 +152,13 @@ def build_optimizer(section: OptimizerConfig, lr: Any) -> ps.Transform:
     if not isinstance(transform, ps.Transform):
         raise ConfigError("optimizer.name", f"{section.name!r} is not a purestep optimizer")
     if section.clip_grad_norm is not None:
-        transform = ps.chain(ps.clip_by_global_norm(section.clip_grad_norm), transform)
+        transform = _clipped(transform, section.clip_grad_norm)
     return transform
+
+
+def _clipped(transform: ps.Transform, max_norm: float) -> ps.Transform:
+    """`transform` behind `ps.clip_by_global_norm(max_norm)` (`optimizer.clip_grad_norm`)."""
+    return ps.chain(ps.clip_by_global_norm(max_norm), transform)
 
 
 def qk_clip_for(model: Any, threshold: float) -> ps.Transform:
@@ -170,18 +174,28 @@ def qk_clip_for(model: Any, threshold: float) -> ps.Transform:
     return ps.qk_clip(threshold, model.qk_heads())
 
 
-def nodes(tree: Any, cls: type) -> list[Any]:
-    """The `cls` states (NamedTuples) anywhere in a state tree."""
-    return [n for n in pytree.tree_leaves(tree, is_leaf=lambda x: isinstance(x, cls)) if isinstance(n, cls)]
-
-
-def holds(transform: ps.Transform, params: dict[str, Tensor], cls: type) -> bool:
-    """Whether `transform`'s state holds a `cls` state, found by initializing it on meta
-    tensors of the params' shapes (nothing allocated); a transform whose init needs real
-    data is initialized for real."""
-    meta = {k: torch.empty(p.shape, dtype=p.dtype, device="meta") for k, p in params.items()}
-    try:
-        state = transform.init(meta)
-    except (RuntimeError, NotImplementedError, TypeError, ValueError):
-        state = transform.init(params)
-    return bool(nodes(state, cls))
+def trainer_transform(
+    config: Any, transform: ps.Transform | None, params: dict[str, Tensor], model: Any, worker_mean: Any
+) -> ps.Transform:
+    """The transform the Trainer runs: `transform` (None: the config's optimizer, with its
+    clip), `optimizer.clip_grad_norm` in front of a given one (refused when it clips
+    already), `optimizer.qk_clip` behind it (over `model`'s heads), `ps.compensated_updates()`
+    last for bf16 params (unless it holds one), all in `ps.apply_if_finite`; with `[diloco]`,
+    that inside `ps.diloco` (the skip inside: every worker counts every step, so the syncs
+    line up; `worker_mean` its reduce)."""
+    if transform is None:
+        transform = config.build_optimizer()
+    elif config.optimizer.clip_grad_norm is not None:
+        if ps.contains(transform, ps.clip_by_global_norm, params):
+            raise ConfigError("optimizer.clip_grad_norm", "the given transform clips already; set it to None")
+        transform = _clipped(transform, config.optimizer.clip_grad_norm)
+    if config.optimizer.qk_clip is not None:
+        transform = ps.chain(transform, qk_clip_for(model, config.optimizer.qk_clip))
+    if config.bf16_params and not ps.contains(transform, ps.compensated_updates, params):
+        transform = ps.chain(transform, ps.compensated_updates())  # last: it sees the final update
+    transform = ps.apply_if_finite(transform)
+    d = config.diloco
+    if d.sync_every is not None:
+        outer = ps.sgd(d.outer_lr, momentum=d.outer_momentum, nesterov=d.outer_momentum > 0)
+        transform = ps.diloco(transform, outer, d.sync_every, worker_mean)
+    return transform

@@ -17,6 +17,7 @@ from ._base import once as once
 from ._base import with_in_place as with_in_place
 from .engine.needs import Needs as Needs
 from .engine.needs import Rule as Rule
+from .engine.needs import contains as contains
 from .engine.needs import needs_of as needs_of
 from .engine.needs import with_needs as with_needs
 from ._clipping import ClipByGlobalNormState as ClipByGlobalNormState
@@ -40,6 +41,7 @@ from ._hyperparams import inject_hyperparams as inject_hyperparams
 from ._combine import masked as masked
 from ._combine import partition as partition
 from ._hyperparams import get_hyperparams as get_hyperparams
+from ._hyperparams import schedule_clocks as schedule_clocks
 from ._hyperparams import set_hyperparam as set_hyperparam
 from ._weight_decay import AddDecayedWeightsState as AddDecayedWeightsState
 from ._loss_scale import DynamicLossScaleState as DynamicLossScaleState
@@ -158,6 +160,7 @@ __all__ = [
     "Rule",
     "with_needs",
     "needs_of",
+    "contains",
     "once",
     "EmptyState",
     "Schedule",
@@ -183,6 +186,7 @@ __all__ = [
     "partition",
     "inject_hyperparams",
     "get_hyperparams",
+    "schedule_clocks",
     "set_hyperparam",
     "apply_if_finite",
     "accumulate",

@@ -149,6 +149,21 @@ def get_hyperparams(state: OptState) -> dict[str, Any]:
     return {key: hp[name] for key, _, hp, name in _injected(state)}
 
 
+def schedule_clocks(state: OptState) -> list[Tensor]:
+    """The step counters the schedules of `inject_hyperparams` read, anywhere in `state`:
+    the 0-d int64 tensors themselves (no copy), to set in place (`clock.fill_(step)`: a
+    run on a time budget moves its schedules by progress, with no recompile).
+
+    Examples:
+        >>> import torch, purestep.core as ps
+        >>> state = ps.inject_hyperparams(ps.adamw)(lr=ps.cosine_schedule(1e-3, 100)).init({"w": torch.zeros(2)})
+        >>> ps.schedule_clocks(state)
+        [tensor(0)]
+    """
+    found = pytree.tree_leaves(state, is_leaf=lambda x: isinstance(x, InjectHyperparamsState))
+    return [s.count for s in found if isinstance(s, InjectHyperparamsState)]
+
+
 def set_hyperparam(state: OptState, name: str, value: Any) -> OptState:
     """A new state with the injected hyperparameter `name` set to `value`.
 

@@ -144,12 +144,53 @@ def bounded(*transforms: Any) -> bool:
     return all(getattr(needs_of(t), "bounded", False) for t in transforms)
 
 
-def _name(transform: Any) -> str:
-    """The factory a transform's update was made in ("scale_by_adam.<locals>.update")."""
+def _factory(transform: Any) -> str:
+    """The function a transform's update was made in ("scale_by_adam" for
+    "scale_by_adam.<locals>.update")."""
     update = transform.update
     parts = getattr(update, "__qualname__", type(update).__name__).split(".<locals>.")
-    name = parts[-2] if len(parts) > 1 and parts[-1] in ("<lambda>", "update") else parts[-1]
+    return parts[-2] if len(parts) > 1 and parts[-1] in ("<lambda>", "update") else parts[-1]
+
+
+def _name(transform: Any) -> str:
+    name = _factory(transform)
     return "a transform of your own" if name in ("<lambda>", "update") else f"'{name}'"
+
+
+def contains(transform: Any, factory: Callable, params: Any) -> bool:
+    """Whether `transform`, or a transform it is built of, was made by `factory`.
+
+    The parts are the ones `transform` declares (`Needs.parts`: a chain's links, a
+    `masked`'s inner transform, what `inject_hyperparams` builds...), read on meta tensors
+    of `params`' shapes: nothing runs, nothing is allocated. A transform that declares
+    nothing shows no parts.
+
+    Examples:
+        >>> import torch, purestep.core as ps
+        >>> t = ps.chain(ps.clip_by_global_norm(1.0), ps.adamw(1e-3))
+        >>> params = {"w": torch.zeros(2, 2)}
+        >>> ps.contains(t, ps.clip_by_global_norm, params), ps.contains(ps.adamw(1e-3), ps.clip_by_global_norm, params)
+        (True, False)
+    """
+    name = getattr(factory, "__name__", None)
+    if not callable(factory) or name is None:
+        raise ValueError(f"factory must be a function that makes transforms, got {type(factory).__name__}")
+    meta = pytree.tree_map(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta"), params)
+
+    def walk(t: Any, tree: Any) -> bool:
+        if _factory(t) == name:
+            return True
+        needs = needs_of(t)
+        if needs is None or needs.parts is None:
+            return False
+        pairs = tr.tree_flatten_with_path(tree)[0]
+        for inner, keep in needs.parts(tree):
+            sub = tree if keep is None else {p: x for (p, x), k in zip(pairs, keep) if k}
+            if walk(inner, sub):
+                return True
+        return False
+
+    return walk(transform, meta)
 
 
 @dataclasses.dataclass

@@ -521,7 +521,16 @@ def test_a_time_budget_under_ddp_ends_on_every_rank_together(tmp_path):
 
 
 
-def test_the_trainer_inspects_a_given_transform_on_meta_tensors_and_allocates_one_state():
+def test_a_given_transform_that_clips_already_is_refused_naming_the_field():
+    cfg = apply_overrides(TrainConfig(), ["optimizer.clip_grad_norm=1.0", "model.n_embd=32", "model.n_layer=1",
+                                          "model.n_head=2", "model.block_size=32", "data.max_bytes=200000"])
+    clips = ps.masked(ps.chain(ps.clip_by_global_norm(0.5), ps.adamw(1e-3)), lambda p: {k: True for k in p})
+    with pytest.raises(ConfigError, match="optimizer.clip_grad_norm"):
+        Trainer(None, clips, None, cfg)
+    Trainer(None, ps.adamw(1e-3), None, cfg)  # one that does not clip gets the clip in front
+
+
+def test_the_trainer_reads_a_given_transforms_declarations_and_initializes_it_once():
     devices = []
     inner = ps.adamw(1e-3)
 
@@ -533,7 +542,7 @@ def test_the_trainer_inspects_a_given_transform_on_meta_tensors_and_allocates_on
     cfg = apply_overrides(TrainConfig(), ["optimizer.clip_grad_norm=1.0", "precision=bf16-true", "model.n_embd=32",
                                           "model.n_layer=1", "model.n_head=2", "model.block_size=32", "data.max_bytes=200000"])
     t = Trainer(None, given, None, cfg)
-    assert devices.count("cpu") == 1 and devices.count("meta") == 2, devices  # clip looked for, compensation looked for
+    assert devices == ["cpu"], devices  # clip and compensation looked for in the declarations: no init run for it
     assert len([n for n in ps.tree_leaves(t.opt_state)]) > 0
 
 

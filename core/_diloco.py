@@ -10,22 +10,25 @@ from __future__ import annotations
 
 from typing import Any, Callable, NamedTuple
 
+import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
 from . import _tree as tr
 from ._base import OptState, Params, PyTree, Transform, check_int, leaf_device, require_params, zero_count
 from ._cond import as_is, cond, fresh, plain_branch
-from .engine.needs import Needs, with_needs
+from .engine import ops as lay
+from .engine.needs import Needs, Rule, with_needs
 
 
 class DiLoCoState(NamedTuple):
     """State of `diloco`."""
 
-    count: Tensor  # type: ignore[assignment]  # (), int64: updates so far (optax's name shadows tuple.count)
+    count: Tensor  # type: ignore[assignment]  # (), int64: calls so far (optax's name shadows tuple.count)
     inner_state: OptState
-    anchor: PyTree  # the params as of the last sync (the global params, equal on every worker)
-    outer_state: OptState
+    anchor: PyTree  # the params as of each fragment's last sync (the global params, equal on every worker)
+    outer_state: OptState  # the outer transform's; with fragments, a tuple of one per fragment
+    pending: PyTree  # delay > 0: the averaged pseudo-gradients waiting for their outer step; else ()
 
 
 def diloco(
@@ -33,6 +36,10 @@ def diloco(
     outer: Transform,
     sync_every: int,
     reduce: Callable[[PyTree], PyTree] | None = None,
+    *,
+    fragments: int = 1,
+    delay: int = 0,
+    alpha: float = 0.0,
 ) -> Transform:
     """DiLoCo: `inner` on every update, an outer step on the workers' mean every `sync_every`.
 
@@ -46,17 +53,29 @@ def diloco(
     of the workers' params (local SGD); DiLoCo's own outer is
     `ps.sgd(0.7, momentum=0.9, nesterov=True)`.
 
+    Streaming DiLoCo (`fragments`, `delay`, `alpha`, with torchft's meanings): the leaves are
+    cut into `fragments` runs in flatten order, of about equal size; fragment f syncs at
+    calls (f + 1)·H/F + m·H (one fragment every H/F calls, each every H), so the traffic of
+    one sync is 1/F of the params. Its pseudo-gradient is taken and averaged `delay` calls
+    before its outer step (at the outer step the params have moved on by that many inner
+    updates), and the fragment's params become `lerp(new anchor, θ, alpha)`
+    (α = 0: the new anchor; the local steps since the pseudo-gradient are dropped).
+
     Args:
       inner: the optimizer each worker runs on its own grads (AdamW in the paper; Muon:
         MuLoCo).
       outer: the transform that steps the anchor: any transform (its grads are Δ̄, its
-        params the anchor).
-      sync_every: H, the inner updates between syncs.
+        params the anchor; with fragments, one state per fragment over its leaves).
+      sync_every: H, the inner updates between two syncs of the same leaves.
       reduce: the mean over workers, a function on trees (`Δ ↦ Δ̄`, e.g. an all_reduce
         average over the data-parallel group); None for one worker. It runs once per sync,
-        on the whole tree (the leaves it gets may be flat buffers of many params: it must
-        treat elements alike, as a mean does), and never between syncs: in compiled code
-        the sync is a `torch.cond` branch, so the steps between syncs communicate nothing.
+        on the fragment's tree (the leaves it gets may be flat buffers of many params: it
+        must treat elements alike, as a mean does), and never between syncs: in compiled
+        code the sync is a `torch.cond` branch, so the steps between syncs communicate nothing.
+      fragments: F, the number of fragments (F divides H; at most one per leaf).
+      delay: τ, the calls between a fragment's pseudo-gradient and its outer step
+        (0 <= τ < H/F).
+      alpha: α in [0, 1], the share of the worker's own params a synced fragment keeps.
 
     Examples:
         >>> import torch, purestep.core as ps
@@ -71,15 +90,37 @@ def diloco(
 
     References:
         Douillard et al., DiLoCo: Distributed Low-Communication Training of Language Models, 2023.
+        Douillard et al., Streaming DiLoCo with overlapping communication, 2025.
     """
     check_int("sync_every", sync_every, 1)
+    check_int("fragments", fragments, 1)
+    if sync_every % fragments:
+        raise ValueError(f"fragments must divide sync_every (each fragment syncs every H/F calls), got {fragments}")
+    period = sync_every // fragments
+    check_int("delay", delay, 0, below=period, why="a fragment's outer step lands before the next fragment's sync")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be a number in [0, 1], got {alpha!r}")
     if reduce is not None and not callable(reduce):
         raise ValueError(f"reduce must be a function on trees or None, got {type(reduce).__name__}")
+    rule = Rule("fragments", fragments, lambda tree: _fragment_of(tree, fragments))
+    streaming = fragments > 1
+
+    def parts_of(tree: PyTree) -> list[tuple[list[int], PyTree]]:
+        """Per fragment: its leaves' indices and its tree (the whole tree without fragments)."""
+        if not streaming:
+            return [(list(range(len(pytree.tree_leaves(tree)))), tree)]
+        frag = lay.per_leaf(tree, rule)
+        return [
+            ([j for j, k in enumerate(frag) if k == f], lay.select(tree, [k == f for k in frag]))
+            for f in range(fragments)
+        ]
 
     def init(params: Params) -> DiLoCoState:
         leaves = pytree.tree_leaves(params)
         anchor = pytree.tree_map(lambda p: p.detach().clone(), params)
-        return DiLoCoState(zero_count(leaf_device(leaves)), inner.init(params), anchor, outer.init(params))
+        outer_state = tuple(outer.init(t) for _, t in parts_of(params)) if streaming else outer.init(params)
+        pending = tr.tree_zeros_like(params) if delay else ()
+        return DiLoCoState(zero_count(leaf_device(leaves)), inner.init(params), anchor, outer_state, pending)
 
     def update(grads, state, params=None, **extra):
         require_params(params, "diloco", "the pseudo-gradient is anchor - params")
@@ -87,32 +128,111 @@ def diloco(
         updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
         spec = pytree.tree_structure(params)
         anchor, ps_, us = (spec.flatten_up_to(t) for t in (state.anchor, params, updates))
-        outer_leaves, outer_spec = pytree.tree_flatten(state.outer_state)
-        n = len(anchor)
-        sync = (state.count + 1) % sync_every == 0
-        out_ = as_is if plain_branch(sync) else fresh  # cond outputs are copies; plain branches' need not be
-
-        def synced(*ops):
-            a, p, u, o = ops[:n], ops[n : 2 * n], ops[2 * n : 3 * n], ops[3 * n :]
-            delta = pytree.tree_unflatten([ai - (pi + ui) for ai, pi, ui in zip(a, p, u)], spec)
-            if reduce is not None:
-                delta = reduce(delta)
-            step, new_outer = outer.update(delta, pytree.tree_unflatten(list(o), outer_spec), _unflat(a, spec))
-            new_anchor = [ai + si.to(ai.dtype) for ai, si in zip(a, spec.flatten_up_to(step))]
-            moves = [(ai - pi).to(ui.dtype) for ai, pi, ui in zip(new_anchor, p, u)]
-            return tuple(out_(x) for x in (*moves, *new_anchor, *pytree.tree_leaves(new_outer)))
-
-        def local(*ops):
-            a, u, o = ops[:n], ops[2 * n : 3 * n], ops[3 * n :]
-            return tuple(out_(x) for x in (*u, *a, *o))
-
-        out = cond(sync, synced, local, (*anchor, *ps_, *us, *outer_leaves))
-        moved, new_anchor, new_outer = out[:n], out[n : 2 * n], out[2 * n :]
-        return _unflat(moved, spec), DiLoCoState(
-            state.count + 1, inner_state, _unflat(new_anchor, spec), pytree.tree_unflatten(list(new_outer), outer_spec)
+        pending = spec.flatten_up_to(state.pending) if delay else []
+        moves, outers = list(us), list(state.outer_state) if streaming else [state.outer_state]
+        calls = state.count + 1
+        for f, (idx, sub) in enumerate(parts_of(params)):
+            due = ((f + 1) * period) % sync_every  # calls % H at this fragment's outer step
+            o, o_spec = pytree.tree_flatten(outers[f])
+            sync = _Sync(pytree.tree_structure(sub), o_spec, outer, reduce, alpha, len(idx), plain_branch(calls))
+            ops = tuple(xs[j] for xs in (anchor, ps_, us) for j in idx) + tuple(o)
+            if delay:  # the pseudo-gradient averaged `delay` calls before its outer step
+                took = (calls + delay) % sync_every == due
+                averaged = cond(took, sync.average, sync.last, (*ops[: 3 * len(idx)], *[pending[j] for j in idx]))
+                for j, x in zip(idx, averaged):
+                    pending[j] = x
+                out = cond(calls % sync_every == due, sync.step_averaged, sync.keep, (*ops, *averaged))
+            else:
+                out = cond(calls % sync_every == due, sync.step, sync.keep, ops)
+            n = len(idx)
+            for k, j in enumerate(idx):
+                moves[j], anchor[j] = out[k], out[n + k]
+            outers[f] = pytree.tree_unflatten(list(out[2 * n :]), o_spec)
+        new_state = DiLoCoState(
+            calls,
+            inner_state,
+            pytree.tree_unflatten(anchor, spec),
+            tuple(outers) if streaming else outers[0],
+            pytree.tree_unflatten(pending, spec) if delay else (),
         )
+        return pytree.tree_unflatten(moves, spec), new_state
 
-    return with_needs(Transform(init, update), Needs(parts=lambda tree: [(inner, None), (outer, None)]))
+    needs = Needs(rules=(rule,) if streaming else (), parts=lambda tree: [(inner, None), (outer, None)])
+    return with_needs(Transform(init, update), needs)
+
+
+def _fragment_of(tree: PyTree, fragments: int) -> list[int]:
+    """Each leaf's fragment: runs of leaves in flatten order of about equal size (a leaf
+    goes to the fragment its middle element falls in), none empty."""
+    sizes = [x.numel() for x in pytree.tree_leaves(tree)]
+    n = len(sizes)
+    if n < fragments:
+        raise ValueError(f"fragments={fragments} is more than the {n} leaves of the params")
+    total, before, out = max(sum(sizes), 1), 0, []
+    for j, size in enumerate(sizes):
+        f = min(fragments - 1, int(fragments * (before + size / 2) / total))
+        if out:  # in order, one fragment at a time, and enough leaves left for the rest
+            f = min(max(f, out[-1], fragments - (n - j)), out[-1] + 1)
+        out.append(f if out else 0)
+        before += size
+    return out
+
+
+class _Sync:
+    """One fragment's sync as the branches of a `cond` over flat tuples of tensors. Operands:
+    the fragment's anchor, params and inner updates (n leaves each), then the outer state's
+    leaves, then (with a delay) the averaged pseudo-gradient. A branch returns the updates,
+    the anchor and the outer state (`average`/`last`: the averaged pseudo-gradient)."""
+
+    def __init__(
+        self, spec: Any, outer_spec: Any, outer: Transform, reduce: Callable | None, alpha: float, n: int, plain: bool
+    ) -> None:
+        self.spec, self.outer_spec, self.outer, self.reduce, self.alpha, self.n = (
+            spec,
+            outer_spec,
+            outer,
+            reduce,
+            alpha,
+            n,
+        )
+        self.copy = as_is if plain else fresh  # cond outputs are new tensors; a plain branch's need not be
+
+    def _out(self, xs: Any) -> tuple[Tensor, ...]:
+        return tuple(self.copy(x) for x in xs)
+
+    def average(self, *ops: Tensor) -> tuple[Tensor, ...]:
+        """The workers' mean pseudo-gradient Δ̄ = mean(anchor − θ), θ = params + updates."""
+        n = self.n
+        a, p, u = ops[:n], ops[n : 2 * n], ops[2 * n : 3 * n]
+        delta = _unflat([ai - (pi + ui) for ai, pi, ui in zip(a, p, u)], self.spec)
+        if self.reduce is not None:
+            delta = self.reduce(delta)
+        return self._out(self.spec.flatten_up_to(delta))
+
+    def last(self, *ops: Tensor) -> tuple[Tensor, ...]:
+        return self._out(ops[3 * self.n :])
+
+    def step(self, *ops: Tensor) -> tuple[Tensor, ...]:
+        return self._outer(ops, self.average(*ops))
+
+    def step_averaged(self, *ops: Tensor) -> tuple[Tensor, ...]:
+        return self._outer(ops[: -self.n], ops[-self.n :])
+
+    def _outer(self, ops: tuple, averaged: tuple) -> tuple[Tensor, ...]:
+        """The anchor's outer step along `averaged`, and the updates that put the params on
+        it (`lerp(new anchor, θ, alpha)`)."""
+        n = self.n
+        a, p, u, o = ops[:n], ops[n : 2 * n], ops[2 * n : 3 * n], ops[3 * n :]
+        state = pytree.tree_unflatten(list(o), self.outer_spec)
+        step, new_state = self.outer.update(_unflat(averaged, self.spec), state, _unflat(a, self.spec))
+        anchor = [ai + si.to(ai.dtype) for ai, si in zip(a, self.spec.flatten_up_to(step))]
+        target = [torch.lerp(ai, pi + ui, self.alpha) for ai, pi, ui in zip(anchor, p, u)] if self.alpha else anchor
+        moves = [(ti - pi).to(ui.dtype) for ti, pi, ui in zip(target, p, u)]
+        return self._out((*moves, *anchor, *pytree.tree_leaves(new_state)))
+
+    def keep(self, *ops: Tensor) -> tuple[Tensor, ...]:
+        n, k = self.n, self.outer_spec.num_leaves
+        return self._out((*ops[2 * n : 3 * n], *ops[:n], *ops[3 * n : 3 * n + k]))
 
 
 def _unflat(leaves: Any, spec: Any) -> PyTree:

@@ -168,7 +168,8 @@ def _fragment_of(tree: PyTree, fragments: int) -> list[int]:
     n = len(sizes)
     if n < fragments:
         raise ValueError(f"fragments={fragments} is more than the {n} leaves of the params")
-    total, before, out = max(sum(sizes), 1), 0, []
+    total, before = max(sum(sizes), 1), 0
+    out: list[int] = []
     for j, size in enumerate(sizes):
         f = min(fragments - 1, int(fragments * (before + size / 2) / total))
         if out:  # in order, one fragment at a time, and enough leaves left for the rest

@@ -197,5 +197,7 @@ def trainer_transform(
     d = config.diloco
     if d.sync_every is not None:
         outer = ps.sgd(d.outer_lr, momentum=d.outer_momentum, nesterov=d.outer_momentum > 0)
-        transform = ps.diloco(transform, outer, d.sync_every, worker_mean)
+        transform = ps.diloco(
+            transform, outer, d.sync_every, worker_mean, fragments=d.fragments, delay=d.delay, alpha=d.alpha
+        )
     return transform

@@ -84,9 +84,14 @@ class DiLoCoConfig(_Section):  # type: ignore[misc]  # msgspec's frozen Struct, 
     and the anchor takes an outer SGD step (`outer_lr`, Nesterov momentum `outer_momentum`;
     0: none). The workers are the ranks under `strategy = "ddp"` (no grad all-reduce: each
     rank trains on its own rows, and the sync is the only traffic between them); under
-    `"single"` the one process is one worker (MuLoCo's single-worker recipe).
+    `"single"` the one process is one worker (MuLoCo's single-worker recipe). Streaming
+    DiLoCo: `fragments` runs of the params synced in turn, each `delay` steps after its
+    pseudo-gradient was averaged, the synced params `alpha` local (`ps.diloco`'s meanings).
     """
 
     sync_every: Union[PositiveInt, None] = None
     outer_lr: NonNegativeFloat = 0.7
     outer_momentum: Annotated[float, Meta(ge=0, lt=1)] = 0.9
+    fragments: PositiveInt = 1
+    delay: NonNegativeInt = 0
+    alpha: Annotated[float, Meta(ge=0, le=1)] = 0.0

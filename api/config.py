@@ -121,6 +121,15 @@ class TrainConfig(_Section):  # type: ignore[misc]  # msgspec's frozen Struct, n
                 f"DiLoCo's workers are the ranks of strategy='ddp' (or the one process of 'single'); "
                 f"strategy='{self.strategy}' is not built for it",
             )
+        d = self.diloco
+        if d.sync_every is not None and d.sync_every % d.fragments:
+            raise ConfigError("diloco.fragments", f"{d.fragments} does not divide diloco.sync_every={d.sync_every}")
+        if d.sync_every is not None and d.delay >= d.sync_every // d.fragments:
+            raise ConfigError(
+                "diloco.delay",
+                f"{d.delay} is not below sync_every / fragments = {d.sync_every // d.fragments} (a fragment's "
+                "outer step must land before the next fragment's sync)",
+            )
         if self.replicate and self.strategy != "hsdp":
             raise ConfigError(
                 "replicate",

@@ -218,6 +218,13 @@ def test_single_worker_diloco_syncs_on_schedule_and_resumes_bitwise_between_sync
     assert_same_checkpoint(tmp_path / "whole" / "checkpoints" / "step_00000008", tmp_path / "cut" / "checkpoints" / "step_00000008")
     with pytest.raises(ConfigError, match="diloco.sync_every"):
         tiny_config("diloco.sync_every=3", "strategy=fsdp")
+    with pytest.raises(ConfigError, match="diloco.fragments"):
+        tiny_config("diloco.sync_every=3", "diloco.fragments=2")
+    with pytest.raises(ConfigError, match="diloco.delay"):
+        tiny_config("diloco.sync_every=4", "diloco.fragments=2", "diloco.delay=2")
+    streaming = trainer(None, "steps=4", "checkpoint_every=0", "diloco.sync_every=4", "diloco.fragments=2", "diloco.delay=1", "diloco.alpha=0.5")
+    streaming.fit()
+    assert len(streaming.opt_state.outer_state) == 2 and streaming.step == 4
 
 
 def test_bf16_true_casts_a_given_model_and_its_float_inputs_and_keeps_a_given_compensation():

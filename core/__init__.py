@@ -34,6 +34,7 @@ from ._combine import PartitionState as PartitionState
 from ._combine import accumulate as accumulate
 from ._diloco import DiLoCoState as DiLoCoState
 from ._diloco import diloco as diloco
+from ._sparse import TopK as TopK
 from ._combine import apply_if_finite as apply_if_finite
 from ._combine import chain as chain
 from ._combine import identity as identity
@@ -191,6 +192,7 @@ __all__ = [
     "apply_if_finite",
     "accumulate",
     "diloco",
+    "TopK",
     "identity",
     "MaskedState",
     "PartitionState",

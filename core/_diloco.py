@@ -17,6 +17,7 @@ from torch import Tensor
 from . import _tree as tr
 from ._base import OptState, Params, PyTree, Transform, check_int, leaf_device, require_params, zero_count
 from ._cond import as_is, cond, fresh, plain_branch
+from ._sparse import TopK
 from .engine import ops as lay
 from .engine.needs import Needs, Rule, with_needs
 
@@ -29,6 +30,7 @@ class DiLoCoState(NamedTuple):
     anchor: PyTree  # the params as of each fragment's last sync (the global params, equal on every worker)
     outer_state: OptState  # the outer transform's; with fragments, a tuple of one per fragment
     pending: PyTree  # delay > 0: the averaged pseudo-gradients waiting for their outer step; else ()
+    error: PyTree  # compression: what each worker has not sent yet (error feedback); else ()
 
 
 def diloco(
@@ -40,6 +42,8 @@ def diloco(
     fragments: int = 1,
     delay: int = 0,
     alpha: float = 0.0,
+    compression: TopK | None = None,
+    gather: Callable[[PyTree], PyTree] | None = None,
 ) -> Transform:
     """DiLoCo: `inner` on every update, an outer step on the workers' mean every `sync_every`.
 
@@ -76,6 +80,12 @@ def diloco(
       delay: τ, the calls between a fragment's pseudo-gradient and its outer step
         (0 <= τ < H/F).
       alpha: α in [0, 1], the share of the worker's own params a synced fragment keeps.
+      compression: SparseLoCo (`ps.TopK`): each worker sends only the top-k entries of each
+        tile of e ← β·e + Δ, quantized to a few bits, and keeps the rest in e (error
+        feedback, in the state); the mean is per entry over the workers that sent it.
+        The workers exchange the compressed form through `gather` (`reduce` is not used).
+      gather: with `compression`, the exchange: a function on trees giving each leaf with a
+        new leading dim of workers (an all_gather); None for one worker.
 
     Examples:
         >>> import torch, purestep.core as ps
@@ -91,6 +101,7 @@ def diloco(
     References:
         Douillard et al., DiLoCo: Distributed Low-Communication Training of Language Models, 2023.
         Douillard et al., Streaming DiLoCo with overlapping communication, 2025.
+        Sarfi et al., SparseLoCo: Communication-efficient LLM training, 2025.
     """
     check_int("sync_every", sync_every, 1)
     check_int("fragments", fragments, 1)
@@ -100,8 +111,16 @@ def diloco(
     check_int("delay", delay, 0, below=period, why="a fragment's outer step lands before the next fragment's sync")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be a number in [0, 1], got {alpha!r}")
-    if reduce is not None and not callable(reduce):
-        raise ValueError(f"reduce must be a function on trees or None, got {type(reduce).__name__}")
+    for name, fn in (("reduce", reduce), ("gather", gather)):
+        if fn is not None and not callable(fn):
+            raise ValueError(f"{name} must be a function on trees or None, got {type(fn).__name__}")
+    if compression is not None and not isinstance(compression, TopK):
+        raise ValueError(f"compression must be a ps.TopK or None, got {type(compression).__name__}")
+    if compression is not None and reduce is not None:
+        raise ValueError("reduce is not used with compression: the workers exchange the compressed form through gather")
+    if compression is None and gather is not None:
+        raise ValueError("gather exchanges compressed pseudo-gradients: it needs compression=ps.TopK(...)")
+    mean = _Mean(reduce, compression, gather)
     rule = Rule("fragments", fragments, lambda tree: _fragment_of(tree, fragments))
     streaming = fragments > 1
 
@@ -120,7 +139,8 @@ def diloco(
         anchor = pytree.tree_map(lambda p: p.detach().clone(), params)
         outer_state = tuple(outer.init(t) for _, t in parts_of(params)) if streaming else outer.init(params)
         pending = tr.tree_zeros_like(params) if delay else ()
-        return DiLoCoState(zero_count(leaf_device(leaves)), inner.init(params), anchor, outer_state, pending)
+        error = tr.tree_zeros_like(params) if compression is not None else ()
+        return DiLoCoState(zero_count(leaf_device(leaves)), inner.init(params), anchor, outer_state, pending, error)
 
     def update(grads, state, params=None, **extra):
         require_params(params, "diloco", "the pseudo-gradient is anchor - params")
@@ -129,35 +149,51 @@ def diloco(
         spec = pytree.tree_structure(params)
         anchor, ps_, us = (spec.flatten_up_to(t) for t in (state.anchor, params, updates))
         pending = spec.flatten_up_to(state.pending) if delay else []
+        error = spec.flatten_up_to(state.error) if compression is not None else []
         moves, outers = list(us), list(state.outer_state) if streaming else [state.outer_state]
         calls = state.count + 1
         for f, (idx, sub) in enumerate(parts_of(params)):
             due = ((f + 1) * period) % sync_every  # calls % H at this fragment's outer step
             o, o_spec = pytree.tree_flatten(outers[f])
-            sync = _Sync(pytree.tree_structure(sub), o_spec, outer, reduce, alpha, len(idx), plain_branch(calls))
-            ops = tuple(xs[j] for xs in (anchor, ps_, us) for j in idx) + tuple(o)
+            sync = _Sync(pytree.tree_structure(sub), o_spec, outer, mean, alpha, len(idx), plain_branch(calls), delay)
+            a, p, u = ([xs[j] for j in idx] for xs in (anchor, ps_, us))
+            e = [error[j] for j in idx] if error else []
             if delay:  # the pseudo-gradient averaged `delay` calls before its outer step
                 took = (calls + delay) % sync_every == due
-                averaged = cond(took, sync.average, sync.last, (*ops[: 3 * len(idx)], *[pending[j] for j in idx]))
-                for j, x in zip(idx, averaged):
+                carried = cond(took, sync.average, sync.last, (*a, *p, *u, *[pending[j] for j in idx], *e))
+                for j, x in zip(idx, carried):
                     pending[j] = x
-                out = cond(calls % sync_every == due, sync.step_averaged, sync.keep, (*ops, *averaged))
+                for j, x in zip(idx, carried[len(idx) :]):
+                    error[j] = x
+                out = cond(
+                    calls % sync_every == due, sync.step_averaged, sync.keep, (*a, *p, *u, *o, *carried[: len(idx)])
+                )
             else:
-                out = cond(calls % sync_every == due, sync.step, sync.keep, ops)
-            n = len(idx)
-            for k, j in enumerate(idx):
-                moves[j], anchor[j] = out[k], out[n + k]
-            outers[f] = pytree.tree_unflatten(list(out[2 * n :]), o_spec)
+                out = cond(calls % sync_every == due, sync.step, sync.keep, (*a, *p, *u, *o, *e))
+            n, k = len(idx), len(o)
+            for i, j in enumerate(idx):
+                moves[j], anchor[j] = out[i], out[n + i]
+            outers[f] = pytree.tree_unflatten(list(out[2 * n : 2 * n + k]), o_spec)
+            for j, x in zip(idx, out[2 * n + k :]):
+                error[j] = x
         new_state = DiLoCoState(
             calls,
             inner_state,
             pytree.tree_unflatten(anchor, spec),
             tuple(outers) if streaming else outers[0],
             pytree.tree_unflatten(pending, spec) if delay else (),
+            pytree.tree_unflatten(error, spec) if compression is not None else (),
         )
         return pytree.tree_unflatten(moves, spec), new_state
 
-    needs = Needs(rules=(rule,) if streaming else (), parts=lambda tree: [(inner, None), (outer, None)])
+    needs = Needs(
+        rules=(rule,) if streaming else (),
+        parts=lambda tree: [(inner, None), (outer, None)],
+        # the tiles of top-k are tiles of whole leaves: one leaf per buffer, not this rank's rows
+        whole_leaves=compression is not None,
+        stacks=compression is None,
+        sharded="top-k tiles of whole leaves" if compression is not None else None,
+    )
     return with_needs(Transform(init, update), needs)
 
 
@@ -179,47 +215,68 @@ def _fragment_of(tree: PyTree, fragments: int) -> list[int]:
     return out
 
 
+class _Mean:
+    """The workers' mean pseudo-gradient of one fragment: `reduce`'s mean, or with
+    compression SparseLoCo's (error feedback, top-k, quantized, exchanged by `gather`)."""
+
+    def __init__(self, reduce: Callable | None, compression: TopK | None, gather: Callable | None) -> None:
+        self.reduce, self.compression, self.gather = reduce, compression, gather
+
+    def __call__(self, delta: list[Tensor], error: list[Tensor], spec: Any) -> tuple[list[Tensor], list[Tensor]]:
+        """(Δ̄, the new error feedback) from this worker's Δ and error feedback."""
+        c = self.compression
+        if c is None:
+            tree = _unflat(delta, spec)
+            return spec.flatten_up_to(self.reduce(tree) if self.reduce is not None else tree), []
+        error = [c.error_decay * e + d.to(e.dtype) for e, d in zip(error, delta)]
+        payloads = [c.compress(e) for e in error]
+        error = [e - c.decompress(pl, e) for e, pl in zip(error, payloads)]
+        if self.gather is None:  # one worker: its own
+            return [c.decompress(pl, d).to(d.dtype) for pl, d in zip(payloads, delta)], error
+        gathered = self.gather(_unflat(payloads, spec))
+        return [c.mean(g, d).to(d.dtype) for g, d in zip(spec.flatten_up_to(gathered), delta)], error
+
+
 class _Sync:
-    """One fragment's sync as the branches of a `cond` over flat tuples of tensors. Operands:
-    the fragment's anchor, params and inner updates (n leaves each), then the outer state's
-    leaves, then (with a delay) the averaged pseudo-gradient. A branch returns the updates,
-    the anchor and the outer state (`average`/`last`: the averaged pseudo-gradient)."""
+    """One fragment's sync as the branches of a `cond` over flat tuples of tensors, n leaves
+    each part: anchor, params, inner updates, then the outer state's leaves (`step`, `keep`)
+    or the pending pseudo-gradient (`average`, `last`), then the error feedback or the
+    averaged pseudo-gradient. A step returns the updates, the anchor, the outer state and
+    the error feedback; `average` the averaged pseudo-gradient and the error feedback."""
 
     def __init__(
-        self, spec: Any, outer_spec: Any, outer: Transform, reduce: Callable | None, alpha: float, n: int, plain: bool
+        self, spec: Any, outer_spec: Any, outer: Transform, mean: _Mean, alpha: float, n: int, plain: bool, delay: int
     ) -> None:
-        self.spec, self.outer_spec, self.outer, self.reduce, self.alpha, self.n = (
-            spec,
-            outer_spec,
-            outer,
-            reduce,
-            alpha,
-            n,
-        )
+        self.spec, self.outer_spec, self.outer, self.mean, self.alpha, self.n = spec, outer_spec, outer, mean, alpha, n
+        # the step's cond carries the error feedback (with a delay, the average's cond does)
+        self.carries_error = mean.compression is not None and not delay
         self.copy = as_is if plain else fresh  # cond outputs are new tensors; a plain branch's need not be
 
     def _out(self, xs: Any) -> tuple[Tensor, ...]:
         return tuple(self.copy(x) for x in xs)
 
-    def average(self, *ops: Tensor) -> tuple[Tensor, ...]:
-        """The workers' mean pseudo-gradient Δ̄ = mean(anchor − θ), θ = params + updates."""
+    def _delta(self, ops: tuple, error: Any) -> tuple[list[Tensor], list[Tensor]]:
+        """Δ̄ and the new error feedback from Δ = anchor − θ, θ = params + updates."""
         n = self.n
         a, p, u = ops[:n], ops[n : 2 * n], ops[2 * n : 3 * n]
-        delta = _unflat([ai - (pi + ui) for ai, pi, ui in zip(a, p, u)], self.spec)
-        if self.reduce is not None:
-            delta = self.reduce(delta)
-        return self._out(self.spec.flatten_up_to(delta))
+        return self.mean([ai - (pi + ui) for ai, pi, ui in zip(a, p, u)], list(error), self.spec)
+
+    def average(self, *ops: Tensor) -> tuple[Tensor, ...]:  # (a, p, u, pending, error) -> (pending, error)
+        averaged, error = self._delta(ops, ops[4 * self.n :])
+        return self._out((*averaged, *error))
 
     def last(self, *ops: Tensor) -> tuple[Tensor, ...]:
         return self._out(ops[3 * self.n :])
 
-    def step(self, *ops: Tensor) -> tuple[Tensor, ...]:
-        return self._outer(ops, self.average(*ops))
+    def step(self, *ops: Tensor) -> tuple[Tensor, ...]:  # (a, p, u, o, error) -> (moves, anchor, o, error)
+        k = self.outer_spec.num_leaves
+        averaged, error = self._delta(ops, ops[3 * self.n + k :])
+        return self._outer(ops[: 3 * self.n + k], averaged) + self._out(error)
 
-    def step_averaged(self, *ops: Tensor) -> tuple[Tensor, ...]:
+    def step_averaged(self, *ops: Tensor) -> tuple[Tensor, ...]:  # (a, p, u, o, averaged) -> (moves, anchor, o)
         return self._outer(ops[: -self.n], ops[-self.n :])
 
-    def _outer(self, ops: tuple, averaged: tuple) -> tuple[Tensor, ...]:
+    def _outer(self, ops: tuple, averaged: Any) -> tuple[Tensor, ...]:
         """The anchor's outer step along `averaged`, and the updates that put the params on
         it (`lerp(new anchor, θ, alpha)`)."""
         n = self.n
@@ -231,9 +288,10 @@ class _Sync:
         moves = [(ti - pi).to(ui.dtype) for ti, pi, ui in zip(target, p, u)]
         return self._out((*moves, *anchor, *pytree.tree_leaves(new_state)))
 
-    def keep(self, *ops: Tensor) -> tuple[Tensor, ...]:
+    def keep(self, *ops: Tensor) -> tuple[Tensor, ...]:  # the updates, the anchor, the outer state[, the error]
         n, k = self.n, self.outer_spec.num_leaves
-        return self._out((*ops[2 * n : 3 * n], *ops[:n], *ops[3 * n : 3 * n + k]))
+        carried = ops[3 * n + k :] if self.carries_error else ()
+        return self._out((*ops[2 * n : 3 * n], *ops[:n], *ops[3 * n : 3 * n + k], *carried))
 
 
 def _unflat(leaves: Any, spec: Any) -> PyTree:

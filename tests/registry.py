@@ -183,5 +183,5 @@ NOT_TRANSFORMS = {
     "stochastic_round", "quantize_blockwise", "dequantize_blockwise", "QuantizedTensor", "CompensatedUpdatesState",
     "ScaleByAdemamixState", "mup_lr_multipliers",
     "ScaleByAdoptState", "ProdigyState", "ScaleByMarsState", "ScaleByLapropState", "DecayAfterState", "AdamcState",
-    "ScaleByKronState", "DiLoCoState", "contains", "schedule_clocks",
+    "ScaleByKronState", "DiLoCoState", "TopK", "contains", "schedule_clocks",
 }

@@ -206,6 +206,132 @@ def test_streaming_arguments_are_checked_by_name():
         opt.init(_params())
 
 
+def _tiles_of(x: torch.Tensor, chunk: int) -> list[tuple]:
+    """The tiles of `x` as index tuples (each dim of the 2-D view cut by its largest divisor <= chunk)."""
+    m = x.view(1, -1) if x.dim() == 1 else x.reshape(x.shape[0], -1)
+    tr = max(d for d in range(1, min(m.shape[0], chunk) + 1) if m.shape[0] % d == 0)
+    tc = max(d for d in range(1, min(m.shape[1], chunk) + 1) if m.shape[1] % d == 0)
+    return [(slice(i, i + tr), slice(j, j + tc)) for i in range(0, m.shape[0], tr) for j in range(0, m.shape[1], tc)]
+
+
+def _sparseloco_send(e: torch.Tensor, chunk: int, density: float, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """SparseLoCo's message of one tensor, written out: per tile the entries largest in
+    magnitude, then all kept values of the tensor quantized together (centred on their mean,
+    levels 6σ/2^bits apart, each code the mean of its values). Returns (dense message, mask)."""
+    m = e.view(1, -1) if e.dim() == 1 else e.reshape(e.shape[0], -1)
+    mask = torch.zeros_like(m, dtype=torch.bool)
+    for tile in _tiles_of(e, chunk):
+        block = m[tile]
+        k = max(1, round(block.numel() * density))
+        order = sorted(range(block.numel()), key=lambda i: -abs(float(block.reshape(-1)[i])))[:k]
+        sub = torch.zeros(block.numel(), dtype=torch.bool)
+        sub[order] = True
+        mask[tile] = sub.view(block.shape)
+    kept = m[mask]
+    bins = 2**bits
+    centred = kept - kept.mean()
+    scale = 6.0 * centred.std() / bins
+    codes = torch.clamp(torch.round(centred / scale + bins // 2), 0, bins - 1)
+    decoded = torch.zeros_like(kept)
+    for b in range(bins):
+        if (codes == b).any():
+            decoded[codes == b] = centred[codes == b].mean() + kept.mean()
+    out = torch.zeros_like(m)
+    out[mask] = decoded
+    return out.view(e.shape), mask.view(e.shape)
+
+
+def _sparseloco_reference(workers: int, steps: int, sync_every: int, chunk: int, density: float):
+    """SparseLoCo per tensor (Sarfi et al. 2025): e ← 0.95·e + Δ; the message is e's top-k per
+    tile, 2-bit quantized; e ← e − message; the mean per entry over the workers that sent it
+    is the grad of torch.optim.SGD(lr=1) on the anchor; every worker restarts from it."""
+    anchor = {k: v.clone() for k, v in _params().items()}
+    local = [{k: v.clone().requires_grad_() for k, v in anchor.items()} for _ in range(workers)]
+    inner = [torch.optim.AdamW(p.values(), lr=0.05, weight_decay=0.1) for p in local]
+    error = [{k: torch.zeros_like(v) for k, v in anchor.items()} for _ in range(workers)]
+    global_params = {k: v.clone().requires_grad_() for k, v in anchor.items()}
+    outer = torch.optim.SGD(global_params.values(), lr=1.0)
+    for t in range(1, steps + 1):
+        for k in range(workers):
+            inner[k].zero_grad()
+            _loss(local[k], *_data(k, t)).backward()
+            inner[k].step()
+        if t % sync_every:
+            continue
+        with torch.no_grad():
+            for name, gp in global_params.items():
+                total, count = torch.zeros_like(gp), torch.zeros_like(gp)
+                for k in range(workers):
+                    error[k][name] = 0.95 * error[k][name] + (gp.detach() - local[k][name].detach())
+                    sent, mask = _sparseloco_send(error[k][name], chunk, density, 2)
+                    error[k][name] = error[k][name] - sent
+                    total, count = total + sent, count + mask
+                gp.grad = total / count.clamp(min=1)
+            outer.step()
+            for k in range(workers):
+                for name, gp in global_params.items():
+                    local[k][name].copy_(gp)
+    return [{k: v.detach() for k, v in p.items()} for p in local], error
+
+
+class _ThreadGather(_ThreadMean):
+    def reduce_for(self, k: int):
+        def gather(tree):
+            self.calls[k] += 1
+            self.slots[k] = tree
+            self.barrier.wait()
+            out = ps.tree_map(lambda *xs: torch.stack(xs), *self.slots)
+            self.barrier.wait()
+            return out
+
+        return gather
+
+
+def test_sparseloco_equals_its_algorithm_per_tensor_on_three_workers():
+    """w (4, 3) in 2 x 3 tiles, 4 of 6 kept; b (3,) in one tile of 3, 2 kept; 2-bit values."""
+    workers, steps, sync_every, chunk, density = 3, 8, 2, 3, 0.67
+    exchange = _ThreadGather(workers)
+    results: list = [None] * workers
+
+    def work(k: int) -> None:
+        compression = ps.TopK(density=density, chunk=chunk, bits=2, error_decay=0.95)
+        opt = ps.diloco(ps.adamw(0.05, weight_decay=0.1), ps.sgd(1.0), sync_every, compression=compression, gather=exchange.reduce_for(k))
+        params = _params()
+        state = opt.init(params)
+        update = ps.make_update(opt)
+        for t in range(1, steps + 1):
+            params, state = update(params, torch.func.grad(_loss)(params, *_data(k, t)), state)
+        results[k] = (params, state)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(workers)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    ref_local, ref_error = _sparseloco_reference(workers, steps, sync_every, chunk, density)
+    assert exchange.calls == [4] * workers
+    for name in SHAPES:
+        for k in range(workers):
+            torch.testing.assert_close(results[k][0][name], ref_local[k][name], rtol=1e-10, atol=1e-12, msg=name)
+            torch.testing.assert_close(results[k][1].error[name], ref_error[k][name], rtol=1e-10, atol=1e-12, msg=name)
+    assert all(bool(r[1].error[n].abs().sum() > 0) for r in results for n in SHAPES)  # something was held back
+
+
+def test_topk_payload_is_small_and_decodes_to_at_most_four_values():
+    c = ps.TopK(density=0.03125, chunk=64, bits=2)
+    x = torch.randn(128, 192, dtype=torch.float64)
+    idx, codes, table = c.compress(x)
+    assert idx.shape == (6, 128) and codes.dtype == torch.uint8 and table.shape == (4,)  # 128 of each 64 x 64 tile
+    dense = c.decompress((idx, codes, table), x)
+    assert (dense != 0).sum() == 6 * 128 and len(set(dense[dense != 0].tolist())) <= 4
+    kept = dense != 0
+    assert x[kept].abs().min() >= x.abs().quantile(0.9)  # the largest entries of their tiles
+    with pytest.raises(ValueError, match="density"):
+        ps.TopK(density=0)
+    with pytest.raises(ValueError, match="gather"):
+        ps.diloco(ps.sgd(0.1), ps.sgd(1.0), 2, gather=lambda t: t)
+
+
 def test_a_sync_puts_the_params_on_the_new_anchor_and_plain_averaging_is_local_sgd():
     """With outer = sgd(1.0) and one worker, a sync is the identity: θ is the anchor; with
     two workers it is the average of their params."""
@@ -253,11 +379,18 @@ def _all_reduce_mean(tree):
     return ps.tree_map(lambda x: fc.wait_tensor(fc.all_reduce(x, "sum", dist.group.WORLD)) / world, tree)
 
 
+def _all_gather(tree):
+    import torch.distributed._functional_collectives as fc
+
+    return ps.tree_map(lambda x: fc.wait_tensor(fc.all_gather_tensor(x.unsqueeze(0), 0, dist.group.WORLD)), tree)
+
+
 def _collectives(fn) -> int:
-    """How many all_reduce kernels `fn()` runs (the profiler's count)."""
+    """How many all_reduce / all_gather kernels `fn()` runs (the profiler's count)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         fn()
-    return sum(e.count for e in prof.key_averages() if "all_reduce" in e.key and "wait" not in e.key)
+    names = ("all_reduce", "all_gather")
+    return sum(e.count for e in prof.key_averages() if any(n in e.key for n in names) and "wait" not in e.key)
 
 
 @pytest.mark.parametrize(
@@ -266,6 +399,8 @@ def _collectives(fn) -> int:
         ({}, [False, True, False, False, True, False]),  # H = 3: a sync at calls 3 and 6
         # three fragments of H = 6, each averaged a call early: at calls 3, 5, 7 (and 1: compiling)
         ({"fragments": 3, "delay": 1, "alpha": 0.5}, [False, True, False, True, False, True]),
+        # SparseLoCo, H = 3: the compressed form all-gathered at calls 3 and 6
+        ({"compression": ps.TopK(density=0.25, chunk=4)}, [False, True, False, False, True, False]),
     ],
 )
 def test_compiled_donated_diloco_equals_eager_without_recompiles_and_communicates_only_at_syncs(
@@ -278,7 +413,10 @@ def test_compiled_donated_diloco_equals_eager_without_recompiles_and_communicate
     g = torch.Generator().manual_seed(0)
     params = {"w1": torch.randn(8, 8, generator=g), "w2": torch.randn(8, 8, generator=g), "b": torch.randn(8, generator=g)}
     inner, outer = ps.muon_adamw(0.02, adamw_lr=0.01), ps.sgd(0.7, momentum=0.9, nesterov=True)
-    opt = ps.diloco(inner, outer, 6 if options else 3, _all_reduce_mean, **options)
+    if "compression" in options:
+        opt = ps.diloco(inner, outer, 3, gather=_all_gather, **options)
+    else:
+        opt = ps.diloco(inner, outer, 6 if options else 3, _all_reduce_mean, **options)
     compiled, eager = ps.make_update(opt, compile=True, donate=True), ps.make_update(opt)
     p, s = {k: v.clone() for k, v in params.items()}, opt.init(params)
     p_ref, s_ref = {k: v.clone() for k, v in params.items()}, opt.init(params)

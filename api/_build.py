@@ -175,14 +175,14 @@ def qk_clip_for(model: Any, threshold: float) -> ps.Transform:
 
 
 def trainer_transform(
-    config: Any, transform: ps.Transform | None, params: dict[str, Tensor], model: Any, worker_mean: Any
+    config: Any, transform: ps.Transform | None, params: dict[str, Tensor], model: Any, workers: Any
 ) -> ps.Transform:
     """The transform the Trainer runs: `transform` (None: the config's optimizer, with its
     clip), `optimizer.clip_grad_norm` in front of a given one (refused when it clips
     already), `optimizer.qk_clip` behind it (over `model`'s heads), `ps.compensated_updates()`
     last for bf16 params (unless it holds one), all in `ps.apply_if_finite`; with `[diloco]`,
     that inside `ps.diloco` (the skip inside: every worker counts every step, so the syncs
-    line up; `worker_mean` its reduce)."""
+    line up; `workers` the exchange between them: `(reduce, gather)`)."""
     if transform is None:
         transform = config.build_optimizer()
     elif config.optimizer.clip_grad_norm is not None:
@@ -197,7 +197,22 @@ def trainer_transform(
     d = config.diloco
     if d.sync_every is not None:
         outer = ps.sgd(d.outer_lr, momentum=d.outer_momentum, nesterov=d.outer_momentum > 0)
+        reduce, gather = workers
+        compression = None
+        if d.compression == "sparseloco":
+            compression = ps.TopK(density=d.density, bits=d.bits, error_decay=d.error_decay)
+            reduce = None  # the compressed form travels through gather
+        else:
+            gather = None
         transform = ps.diloco(
-            transform, outer, d.sync_every, worker_mean, fragments=d.fragments, delay=d.delay, alpha=d.alpha
+            transform,
+            outer,
+            d.sync_every,
+            reduce,
+            fragments=d.fragments,
+            delay=d.delay,
+            alpha=d.alpha,
+            compression=compression,
+            gather=gather,
         )
     return transform

@@ -3,7 +3,7 @@ and the other plain ones; `config` re-exports them beside `TrainConfig`."""
 
 from __future__ import annotations
 
-from typing import Any, Annotated, Union
+from typing import Any, Annotated, Literal, Union
 
 import msgspec
 from msgspec import Meta
@@ -87,6 +87,9 @@ class DiLoCoConfig(_Section):  # type: ignore[misc]  # msgspec's frozen Struct, 
     `"single"` the one process is one worker (MuLoCo's single-worker recipe). Streaming
     DiLoCo: `fragments` runs of the params synced in turn, each `delay` steps after its
     pseudo-gradient was averaged, the synced params `alpha` local (`ps.diloco`'s meanings).
+    `compression = "sparseloco"`: each worker sends the `density` share of its
+    error-fed pseudo-gradient largest in each tile, in `bits` bits (`ps.TopK`; SparseLoCo's
+    paper runs it with `outer_lr = 1`, `outer_momentum = 0`).
     """
 
     sync_every: Union[PositiveInt, None] = None
@@ -95,3 +98,7 @@ class DiLoCoConfig(_Section):  # type: ignore[misc]  # msgspec's frozen Struct, 
     fragments: PositiveInt = 1
     delay: NonNegativeInt = 0
     alpha: Annotated[float, Meta(ge=0, le=1)] = 0.0
+    compression: Union[Literal["sparseloco"], None] = None
+    density: Annotated[float, Meta(gt=0, le=1)] = 0.03125
+    bits: Union[Annotated[int, Meta(ge=1, le=8)], None] = 2
+    error_decay: Annotated[float, Meta(ge=0, le=1)] = 0.95

@@ -218,6 +218,21 @@ def worker_mean(world: World) -> Callable[[Any], Any] | None:
     return reduce
 
 
+def worker_gather(world: World) -> Callable[[Any], Any] | None:
+    """DiLoCo's `gather` under DDP (SparseLoCo's exchange): every rank's leaves stacked on a
+    new leading dim, one all_gather per leaf; None for one worker."""
+    if not world.distributed or world.size == 1:
+        return None
+
+    def gather(tree: Any) -> Any:
+        import torch.distributed._functional_collectives as fc
+
+        group = cast(Any, dist.group.WORLD)
+        return pytree.tree_map(lambda x: fc.wait_tensor(fc.all_gather_tensor(x.unsqueeze(0), 0, group)), tree)
+
+    return gather
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's module inside a DDP wrapper or a torch.compile wrapper."""
     while True:

@@ -116,8 +116,8 @@ class Trainer(Loop):
         params = self.params()
         self.qk = cfg.optimizer.qk_clip is not None  # QK-clip: the model reports its heads' max logits
         self.max_logit: Tensor | None = None
-        worker_mean = D.worker_mean(self.world) if local_sgd else None
-        self.transform = trainer_transform(cfg, transform, params, D.unwrap(self.module), worker_mean)
+        workers = (D.worker_mean(self.world), D.worker_gather(self.world)) if local_sgd else (None, None)
+        self.transform = trainer_transform(cfg, transform, params, D.unwrap(self.module), workers)
         if ema is None and cfg.ema_decay:
             ema = ps.params_ema(cfg.ema_decay, dtype=torch.float32 if cfg.bf16_params else None)
         # Donated on every strategy: under FSDP2 the update runs on flat buffers of this

@@ -191,13 +191,15 @@ DILOCO_SGD = [
 ]
 
 
-def test_diloco_under_ddp_makes_each_rank_a_worker_and_syncing_every_step_is_ddp(tmp_path, same_device_as_the_ranks):
+@pytest.mark.parametrize("exchange", [[], ["diloco.compression=sparseloco", "diloco.density=1", "diloco.bits=none"]])
+def test_diloco_under_ddp_makes_each_rank_a_worker_and_syncing_every_step_is_ddp(tmp_path, same_device_as_the_ranks, exchange):
     """`[diloco]` under DDP: no grad all-reduce, each rank a worker on its own rows, the
     pseudo-gradients averaged at each sync. With plain SGD inside, an outer SGD of lr 1 and
     no momentum, and a sync every step, the average of the workers' SGD steps from one point
     is DDP's step: the run must end on the one-process params (the check fails if the ranks
-    still all-reduced their grads, as the step would then be taken twice, or never averaged)."""
-    diloco = ["diloco.sync_every=1", "diloco.outer_lr=1", "diloco.outer_momentum=0", "compile=true"]
+    still all-reduced their grads, as the step would then be taken twice, or never averaged).
+    With SparseLoCo keeping every entry unquantized the all-gathered mean is the same one."""
+    diloco = ["diloco.sync_every=1", "diloco.outer_lr=1", "diloco.outer_momentum=0", "compile=true", *exchange]
     sets = [f"--set={o}" for o in [*DILOCO_SGD, *diloco]]
     out = torchrun(str(tmp_path / "diloco"), "ddp", "4", *sets)
     assert "path flat" in out.stdout, out.stdout[-2000:]

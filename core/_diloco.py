@@ -25,7 +25,7 @@ from .engine.needs import Needs, Rule, with_needs
 class DiLoCoState(NamedTuple):
     """State of `diloco`."""
 
-    count: Tensor  # type: ignore[assignment]  # (), int64: calls so far (optax's name shadows tuple.count)
+    count: Tensor  # type: ignore[assignment]  # (), int64: calls so far, synced or not (optax's name shadows tuple.count)
     inner_state: OptState
     anchor: PyTree  # the params as of each fragment's last sync (the global params, equal on every worker)
     outer_state: OptState  # the outer transform's; with fragments, a tuple of one per fragment

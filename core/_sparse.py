@@ -6,8 +6,9 @@ Per tensor: the tensor is cut into tiles (each dim split by its largest divisor 
 entries largest in magnitude, and the kept values are quantized to `bits` bits together:
 centred on their mean, levels `spread`·σ/2^bits apart, each code decoding to the mean of the
 values it took (a 2^bits-entry table sent with the codes). What travels per tensor: the
-indices, the codes and the table. The mean over workers is taken per entry over the workers
-that kept it (SparseLoCo's aggregation; entries no worker kept are 0).
+places in their tiles (int32), the codes (uint8) and the table. The mean over workers is
+taken per entry over the workers that kept it (SparseLoCo's aggregation; entries no worker
+kept are 0).
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ class TopK:
         tiles = self.tiles(x)
         idx = tiles.abs().topk(self.keep(x.shape), dim=1, sorted=False).indices
         values = tiles.gather(1, idx)
+        idx = idx.to(torch.int32)  # a place in its tile (NCCL and gloo carry no int16)
         if self.bits is None:
             return idx, values, values.new_zeros(0)
         bins = 2**self.bits
@@ -108,7 +110,8 @@ class TopK:
 
     def decompress(self, payload: tuple[Tensor, Tensor, Tensor], like: Tensor) -> Tensor:
         idx, codes, table = payload
-        tiles = torch.zeros_like(self.tiles(like)).scatter_(1, idx, self.values(codes, table).to(like.dtype))
+        tiles = torch.zeros_like(self.tiles(like))
+        tiles = tiles.scatter_(1, idx.to(torch.int64), self.values(codes, table).to(like.dtype))
         return self.untiles(tiles, like.shape)
 
     # -- several workers ---------------------------------------------------------------
@@ -120,7 +123,7 @@ class TopK:
         tiles = self.tiles(like)
         total = torch.zeros_like(tiles)
         count = torch.zeros_like(tiles)
-        for i, v in zip(idx.unbind(0), values.unbind(0)):
+        for i, v in zip(idx.to(torch.int64).unbind(0), values.unbind(0)):
             total = total.scatter_add(1, i, v)
             count = count.scatter_add(1, i, torch.ones_like(v))
         return self.untiles(total / count.clamp(min=1), like.shape)

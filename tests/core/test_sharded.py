@@ -6,11 +6,8 @@ across world sizes) runs under torchrun in tests/api/test_fsdp_step.py.
 
 from __future__ import annotations
 
-import socket
 
-import pytest
 import torch
-import torch.distributed as dist
 
 import purestep.core as ps
 from purestep.core.engine import rows, tp
@@ -40,17 +37,6 @@ def test_row_blocks_follow_torch_chunk_with_empty_ranks():
     s = _slice((5, 3), 4)  # chunk 2: rows 2, 2, 1, 0
     assert s.starts == (0, 2, 4, 5) and s.counts == (2, 2, 1, 0)
     assert [c.shape[0] for c in torch.arange(15).view(5, 3).chunk(4)] + [0] == list(s.counts)
-
-
-@pytest.fixture
-def one_rank_group():
-    """A gloo process group of one rank, in this process."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_fsdp2_all_gathers_the_updated_params_from_the_flat_buffer(one_rank_group):

@@ -357,25 +357,27 @@ def _collectives(fn) -> int:
     [
         ({}, [False, True, False, False, True, False]),  # H = 3: a sync at calls 3 and 6
         # three fragments of H = 6, each averaged a call early: at calls 3, 5, 7 (and 1: compiling)
-        ({"fragments": 3, "delay": 1, "alpha": 0.5}, [False, True, False, True, False, True]),
-        # SparseLoCo, H = 3: the compressed form all-gathered at calls 3 and 6
-        ({"compression": ps.TopK(density=0.25, chunk=4)}, [False, True, False, False, True, False]),
+        # three fragments of H = 6 compressed (SparseLoCo), each gathered a call early: at calls 3, 5, 7 (and 1)
+        (
+            {"fragments": 3, "delay": 1, "alpha": 0.5, "compression": ps.TopK(density=0.25, chunk=4)},
+            [False, True, False, True, False, True],
+        ),
     ],
 )
 def test_compiled_donated_diloco_equals_eager_without_recompiles_and_communicates_only_at_syncs(
     one_rank_group, options, syncs
 ):
-    """MuLoCo's recipe in small (Muon inner, Nesterov outer), plain and streaming, through
+    """MuLoCo's recipe in small (Muon inner, Nesterov outer), plain and streaming with SparseLoCo, through
     make_update(compile=True, donate=True) with a real collective as `reduce`: the same params
     as eager, one graph, an all_reduce on sync calls only."""
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(0)
     params = {"w1": torch.randn(8, 8, generator=g), "w2": torch.randn(8, 8, generator=g), "b": torch.randn(8, generator=g)}
     inner, outer = ps.muon_adamw(0.02, adamw_lr=0.01), ps.sgd(0.7, momentum=0.9, nesterov=True)
-    if "compression" in options:
-        opt = ps.diloco(inner, outer, 3, gather=_all_gather, **options)
+    if options:
+        opt = ps.diloco(inner, outer, 6, gather=_all_gather, **options)
     else:
-        opt = ps.diloco(inner, outer, 6 if options else 3, _all_reduce_mean, **options)
+        opt = ps.diloco(inner, outer, 3, _all_reduce_mean)
     compiled, eager = ps.make_update(opt, compile=True, donate=True), ps.make_update(opt)
     p, s = {k: v.clone() for k, v in params.items()}, opt.init(params)
     p_ref, s_ref = {k: v.clone() for k, v in params.items()}, opt.init(params)

@@ -65,9 +65,12 @@ class Rule(NamedTuple):
 
     @property
     def key(self) -> tuple[str, Any]:
-        # A constant names itself: Dynamo before 2.12 cannot trace id() of an int.
-        constant = self.source is None or isinstance(self.source, (bool, int, float, str))
-        return (self.what, ("=", type(self.source).__name__, self.source) if constant else id(self.source))
+        # A constant names itself, by kind and value (1 and True apart): Dynamo before 2.12 can
+        # trace neither id() of an int nor a type's __name__, so the kind is found by isinstance.
+        s = self.source
+        kinds = ((bool, "bool"), (int, "int"), (float, "float"), (str, "str"))
+        kind = "none" if s is None else next((name for t, name in kinds if isinstance(s, t)), None)
+        return (self.what, ("=", kind, s) if kind is not None else id(s))
 
 
 @dataclasses.dataclass(frozen=True)

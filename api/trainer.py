@@ -8,12 +8,13 @@ One step, as `Trainer.train_step` spells it out:
     grads *= data-parallel ranks / tokens             # the per-token mean over the global batch
     params, opt_state, ema = update(params, grads, opt_state, ema)
 
-`update` is `ps.make_update` of the transform wrapped in `ps.apply_if_finite`, so a non-finite
-step is skipped on the device (with precision "bf16-true" the transform ends in
-`ps.compensated_updates()`, so bf16 params do not drift); the lr is the transform's own injected
-schedule; the grad norm is `clip_by_global_norm`'s state. The loss, grad norm, lr and skip count
-are read from the device only when a log line is due. Everything else (logging, evaluation,
-checkpoints, preemption, the time budget) happens between steps.
+`update` is `ps.make_update` of the transform wrapped in `ps.apply_if_finite` (with `[diloco]`,
+that inside `ps.diloco`), so a non-finite step is skipped on the device (with precision
+"bf16-true" the transform ends in `ps.compensated_updates()`, so bf16 params do not drift); the
+lr is the transform's own injected schedule; the grad norm is `clip_by_global_norm`'s state.
+The loss, grad norm, lr and skip count are read from the device only when a log line is due.
+Everything else (logging, evaluation, checkpoints, preemption, the time budget: `api/_loop.py`)
+happens between steps.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class Trainer(Loop):
         and refused when it clips already. With precision "bf16-true",
         `ps.compensated_updates()` is chained behind it (a transform that already holds a
         `ps.CompensatedUpdatesState`, e.g. `method="stochastic"`, is kept as it is). The
-        Trainer wraps it in `ps.apply_if_finite`.
+        Trainer wraps it in `ps.apply_if_finite`, and that in `ps.diloco` with `[diloco]`.
       loss_fn: `loss_fn(model, batch) -> (loss_sum, tokens)`: the loss summed over the
         micro-batch's tokens and their count; gradients are divided by the token count of
         the whole global batch, so accumulation and data parallelism weight every token
@@ -286,7 +287,8 @@ class Trainer(Loop):
 
     def nonfinite(self) -> Tensor:
         """How many steps `apply_if_finite` skipped for non-finite gradients (a device tensor)."""
-        return ps.tree_get(self.opt_state, "total_notfinite")
+        own = self.opt_state.inner_state if isinstance(self.opt_state, ps.DiLoCoState) else self.opt_state
+        return own.total_notfinite  # the Trainer's own apply_if_finite (a given transform may hold more)
 
     @property
     def updates(self) -> int:

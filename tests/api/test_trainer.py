@@ -535,6 +535,10 @@ def test_a_given_transform_that_clips_already_is_refused_naming_the_field():
     with pytest.raises(ConfigError, match="optimizer.clip_grad_norm"):
         Trainer(None, clips, None, cfg)
     Trainer(None, ps.adamw(1e-3), None, cfg)  # one that does not clip gets the clip in front
+    # A given transform with a skip of its own: the Trainer counts its own (the outermost) skips.
+    t = Trainer(None, ps.apply_if_finite(ps.adamw(1e-3)), None, cfg)
+    t.train_step()
+    assert int(t.nonfinite()) == 0 and t.updates == 1
 
 
 def test_the_trainer_reads_a_given_transforms_declarations_and_initializes_it_once():

@@ -75,3 +75,12 @@ def test_every_file_and_readme_section_the_docs_and_docstrings_name_exists():
         if m.group(1) not in headings
     ]
     assert not missing, "named but missing:\n" + "\n".join(missing)
+
+
+def test_the_diloco_guides_example_runs(capsys):
+    """The guide opens with a runnable example: it must run as written."""
+    text = (ROOT / "docs" / "guides" / "diloco.md").read_text()
+    code = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert code, "the guide has no python example"
+    exec(compile(code[0], "docs/guides/diloco.md", "exec"), {})
+    assert capsys.readouterr().out.strip() == "torch.Size([8, 8])"

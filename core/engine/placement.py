@@ -26,6 +26,7 @@ buffers: reductions until then are local and communicate nothing.
 
 from __future__ import annotations
 
+import abc
 from typing import Any, Callable, Hashable
 
 import torch
@@ -54,7 +55,7 @@ def assign(units: tuple, cost: Callable[[Any], int], replicas: int, world: int) 
     return owner, replica
 
 
-class Placement:
+class Placement(abc.ABC):
     """The part of the protocol both layouts share (see the module docstring); `rows` and
     `tp` add how the leaves lie (`tags`, `declines`, `describe`) and their owner-computes
     (`_matrices`)."""
@@ -76,26 +77,31 @@ class Placement:
         self.sharded = sharded  # False: every rank holds all of the leaf (Replicate, a plain tensor)
         self.weights = weights
         self.active = False
+        self.replicas = 1  # the (replica, rank) slots owner-computes spreads over: HSDP's replicas
         self._owners: dict[tuple, tuple[dict, dict]] = {}
 
     # -- what a layout says about itself ------------------------------------------------
+    @abc.abstractmethod
     def tags(self, index: int) -> tuple:
-        raise NotImplementedError
+        """See the module docstring."""
 
+    @abc.abstractmethod
     def declines(self, reductions: set[str], per_row_state: bool) -> str | None:
-        raise NotImplementedError
+        """See the module docstring."""
 
+    @abc.abstractmethod
     def describe(self) -> str:
-        raise NotImplementedError
+        """See the module docstring."""
 
+    @abc.abstractmethod
     def _matrices(
         self, blocks: dict[int, Tensor], lead: dict[int, int], extra_of: dict[int, Any], run: Callable
     ) -> dict[int, Tensor]:
         """This rank's block of `fn`'s result for every leaf of `blocks`."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _cost(self, unit: Any) -> int:
-        raise NotImplementedError
+        """See the module docstring."""
 
     # -- shapes and weights -----------------------------------------------------
     def full_shape(self, member: Any) -> torch.Size:
@@ -149,7 +155,7 @@ class Placement:
 
     def _assign(self, units: tuple) -> tuple[dict, dict]:
         if units not in self._owners:
-            self._owners[units] = assign(units, self._cost, getattr(self, "replicas", 1), self.world)
+            self._owners[units] = assign(units, self._cost, self.replicas, self.world)
         return self._owners[units]
 
     def map_matrices(

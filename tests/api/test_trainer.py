@@ -175,6 +175,16 @@ def test_bf16_true_equals_a_bare_loop_over_bf16_params_with_compensated_updates_
         assert t.ema.params[k].dtype == torch.float32 and torch.equal(t.ema.params[k], ema.params[k]), k
 
 
+def _resume_from_step_4_ends_on_the_same_bits(tmp_path: Path, run: tuple[str, ...]) -> None:
+    """The 8-step run in tmp_path/"whole" again from its step-4 checkpoint: the same final checkpoint."""
+    shutil.copytree(tmp_path / "whole", tmp_path / "cut")
+    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step_00000008")
+    rest = trainer(tmp_path / "cut", *run)
+    rest.fit(resume=True)
+    assert rest.step == 8
+    assert_same_checkpoint(tmp_path / "whole" / "checkpoints" / "step_00000008", tmp_path / "cut" / "checkpoints" / "step_00000008")
+
+
 def test_bf16_true_checkpoints_the_compensation_buffer_and_resumes_bitwise(tmp_path):
     run = ("precision=bf16-true", "steps=8", "checkpoint_every=4")
     whole = trainer(tmp_path / "whole", *run)
@@ -189,12 +199,7 @@ def test_bf16_true_checkpoints_the_compensation_buffer_and_resumes_bitwise(tmp_p
     for k, b in ps.tree_get(whole.opt_state, "compensation").items():
         assert torch.equal(buffers[k], b), k
     # The run again from its step-4 checkpoint: the buffer it restores decides the next updates.
-    shutil.copytree(tmp_path / "whole", tmp_path / "cut")
-    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step_00000008")
-    rest = trainer(tmp_path / "cut", *run)
-    rest.fit(resume=True)
-    assert rest.step == 8
-    assert_same_checkpoint(tmp_path / "whole" / "checkpoints" / "step_00000008", tmp_path / "cut" / "checkpoints" / "step_00000008")
+    _resume_from_step_4_ends_on_the_same_bits(tmp_path, run)
 
 
 def test_single_worker_diloco_syncs_on_schedule_and_resumes_bitwise_between_syncs(tmp_path):
@@ -210,12 +215,7 @@ def test_single_worker_diloco_syncs_on_schedule_and_resumes_bitwise_between_sync
     moved = {k for k, v in start.items() if not torch.equal(c.opt_state[f"anchor.{k}"], v)}
     assert moved == set(start)  # moved at the sync of step 3
     assert any(k.startswith("outer_state.") for k in c.opt_state) and int(c.opt_state["count"]) == 4
-    shutil.copytree(tmp_path / "whole", tmp_path / "cut")
-    shutil.rmtree(tmp_path / "cut" / "checkpoints" / "step_00000008")
-    rest = trainer(tmp_path / "cut", *run)
-    rest.fit(resume=True)
-    assert rest.step == 8
-    assert_same_checkpoint(tmp_path / "whole" / "checkpoints" / "step_00000008", tmp_path / "cut" / "checkpoints" / "step_00000008")
+    _resume_from_step_4_ends_on_the_same_bits(tmp_path, run)
     with pytest.raises(ConfigError, match="diloco.sync_every"):
         tiny_config("diloco.sync_every=3", "strategy=fsdp")
     with pytest.raises(ConfigError, match="diloco.fragments"):

@@ -13,6 +13,8 @@ from typing import Any, Callable, cast
 import torch
 from torch import Tensor
 
+import purestep.core as ps
+
 from . import _run_dir as run_dir
 from . import distributed as D
 from ._report import Progress, StopSignals, log, read
@@ -96,6 +98,8 @@ class Loop:
             "tokens_per_s": tok_s,
             "time": self.loop.elapsed,
         }
+        if not self.last:  # the run's first line: the optimizer state this rank holds (after an update placed it)
+            line["state_bytes"] = ps.state_bytes((self.opt_state, self.ema))
         if self.flops_per_token and self.peak_flops:
             line["mfu"] = self.flops_per_token * tok_s / (self.peak_flops * self.world.size)
         if self.qk and self.max_logit is not None:

@@ -47,6 +47,10 @@ class TrainConfig(_Section):  # type: ignore[misc]  # msgspec's frozen Struct, n
     hidden units; every rank sees the whole batch) or "fsdp+tp" (tensor parallelism within
     groups of `tp` ranks, 0: one group per node, and FSDP2 over the groups: a (dp, tp)
     mesh). Every data-parallel rank takes its own part of each batch on all of them.
+    Under "hsdp", `shard_state_over_replicas` (on by default) keeps 1/`replicate` of each
+    rank's block of the optimizer state (and EMA) per rank: the replicas split the state
+    instead of each holding all of it (`ps.make_update`'s `shard_state_over_replicas`); the
+    first metrics line says the `state_bytes` this rank holds.
 
     `precision`: "fp32"; "bf16" (alias "bf16-mixed"): float32 params, forward and
     backward under bf16 autocast; "bf16-true": the model's params (and floating buffers
@@ -86,6 +90,7 @@ class TrainConfig(_Section):  # type: ignore[misc]  # msgspec's frozen Struct, n
     time_budget: Union[Annotated[float, Meta(gt=0)], None] = None
     strategy: Literal["single", "ddp", "fsdp", "hsdp", "tp", "fsdp+tp"] = "single"
     replicate: NonNegativeInt = 0
+    shard_state_over_replicas: bool = True
     tp: NonNegativeInt = 0
     precision: Literal["fp32", "bf16", "bf16-mixed", "bf16-true", "fp16"] = "fp32"
     compile: bool = False

@@ -125,7 +125,16 @@ class Trainer(Loop):
         # rank's shards (ps.make_update's sharded path), in place in FSDP2's own storage.
         # metrics=True: the grad norm (before any clipping) and the lr come back from the update
         # itself, computed in its own pass (over FSDP2 shards, of the whole grads).
-        self.update = ps.make_update(self.transform, compile=cfg.compile, donate=True, ema=ema, metrics=True)
+        # HSDP: each replica keeps its share of the state (`shard_state_over_replicas`).
+        over_replicas = cfg.strategy == "hsdp" and cfg.shard_state_over_replicas and self.world.replicate > 1
+        self.update = ps.make_update(
+            self.transform,
+            compile=cfg.compile,
+            donate=True,
+            ema=ema,
+            metrics=True,
+            shard_state_over_replicas=over_replicas,
+        )
         self.opt_state = self.transform.init(params)
         self.update_metrics: dict[str, Tensor] = {}  # the last update's (device tensors)
         self.ema = ema[0](params) if ema is not None else None

@@ -269,6 +269,7 @@ def make_update(
     ema: Any = None,
     flat: bool = True,
     metrics: bool = False,
+    shard_state_over_replicas: bool = False,
 ) -> Callable[..., tuple]:
     """The optimizer half of a step, for gradients from `loss.backward()`.
 
@@ -300,6 +301,13 @@ def make_update(
       flat: with `compile=True, donate=True`, run over flat buffers (below); False keeps
         one kernel per leaf.
       metrics: also return the step's metrics (above), so a loop needs no look into the state.
+      shard_state_over_replicas: with `donate=True` on HSDP params (`fully_shard` on a
+        (replicate, shard) mesh), each rank keeps 1/R of its block of every state leaf (R
+        replicas): the state's DTensors are re-placed in place (`_StridedShard` on the
+        replicate dim; `full_tensor()` and torch.distributed.checkpoint see the global
+        tensors), the update runs on that piece, and one all_gather across the replicas
+        puts the params' blocks together (bit-identical on every replica). Elsewhere it
+        changes nothing (`explain()` says so).
 
     Eager donation (`donate=True` without compile) applies the update in place without
     materializing it where the transform has an in-place form (`with_in_place`): a
@@ -353,10 +361,14 @@ def make_update(
     averaging = _check_ema(ema)
     if not isinstance(metrics, bool):
         raise ValueError(f"metrics must be True or False, got {metrics!r}")
+    if not isinstance(shard_state_over_replicas, bool):
+        raise ValueError(f"shard_state_over_replicas must be True or False, got {shard_state_over_replicas!r}")
+    if shard_state_over_replicas and not donate:
+        raise ValueError("shard_state_over_replicas=True needs donate=True (it re-places the state in place)")
 
     program = UpdateProgram(optimizer, averaging, metrics)
     pure = compile_per_leaf(program.pure) if compile else program.pure
-    engine = Engine(program, compile=compile, flat=flat)
+    engine = Engine(program, compile=compile, flat=flat, over_replicas=shard_state_over_replicas)
 
     def update(
         params: Params,

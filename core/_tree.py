@@ -115,6 +115,27 @@ def tree_cast(tree: PyTree, dtype: torch.dtype | None) -> PyTree:
     return pytree.tree_map(lambda x: x.to(dtype) if torch.is_floating_point(x) else x, tree)
 
 
+def state_bytes(tree: PyTree) -> int:
+    """The bytes of tensor memory this rank holds for `tree` (an optimizer state, an EMA):
+    each tensor leaf's elements times their size, a DTensor by its local part (this rank's
+    block or piece), a tensor that appears twice once. No collective, no host sync.
+
+    Examples:
+        >>> import torch, purestep.core as ps
+        >>> ps.state_bytes(ps.adamw(1e-3).init({"w": torch.zeros(4, 4)}))  # mu and nu, and the 8-byte count
+        136
+    """
+    seen: set[int] = set()
+    total = 0
+    for x in pytree.tree_leaves(tree):
+        if not isinstance(x, Tensor) or id(x) in seen:
+            continue
+        seen.add(id(x))
+        own = getattr(x, "_local_tensor", x)  # a DTensor's local part
+        total += own.numel() * own.element_size()
+    return total
+
+
 def tree_global_norm(tree: PyTree) -> Tensor:
     """The 2-norm of all leaves together, as one 0-d tensor (float32 at least)."""
     return global_norm(pytree.tree_leaves(tree))

@@ -22,6 +22,7 @@ from .donate import copy_scalars
 from .dtensor import has_dtensors
 from .flat import FlatStep, FlatUpdate
 from .per_leaf import PerLeaf
+from .replicas import OverReplicas, hsdp_replicas
 from .sharded import ShardedEager, ShardedUpdate
 
 
@@ -83,8 +84,9 @@ class Engine:
     Each path's runner is made once, when first needed.
     """
 
-    def __init__(self, program: Any, *, compile: bool, flat: bool) -> None:
+    def __init__(self, program: Any, *, compile: bool, flat: bool, over_replicas: bool = False) -> None:
         self.program, self.compile, self.flat_asked = program, compile, flat
+        self.over_replicas = over_replicas  # HSDP: the state sharded across the replicas (`replicas`)
         self.path: _Path | None = None
         self.on_dtensors: bool | None = None
         self._runners: dict[str, Runner] = {}
@@ -95,6 +97,7 @@ class Engine:
             make: dict[str, Callable[[], Runner]] = {
                 "flat": lambda: FlatUpdate(p) if p.kind == "update" else FlatStep(p),
                 "sharded": lambda: ShardedUpdate(p) if self.compile else ShardedEager(p),
+                "sharded over replicas": lambda: OverReplicas(ShardedUpdate(p) if self.compile else ShardedEager(p)),
                 "per-leaf compiled": lambda: PerLeaf(
                     copy_scalars(compile_per_leaf(functools.partial(p.in_place, defer_scalars=True)))
                 ),
@@ -131,12 +134,19 @@ class Engine:
             elif self.program.kind != "update":
                 why = "no sharded path here"
             else:
-                runner = self._runner("sharded")
+                split = self.over_replicas and hsdp_replicas(params) is not None
+                runner = self._runner("sharded over replicas" if split else "sharded")
                 if runner.plans(params, agree=agree):
                     how = (
                         "flat buffers over this rank's blocks" if self.compile else "this rank's blocks in place, eager"
                     )
-                    return _Path("sharded", f"DTensor params: {how}; {_sharded.describe(params)}", runner)
+                    on = runner.proxies if isinstance(runner, OverReplicas) else params
+                    note = (
+                        "; shard_state_over_replicas: these params have no replicas to shard over"
+                        if self.over_replicas and not split
+                        else ""
+                    )
+                    return _Path("sharded", f"DTensor params: {how}; {_sharded.describe(on)}{note}", runner)
                 why = runner.why_not or "the sharded path cannot take these params"
             return _Path("per-leaf DTensor", f"{why}; eager, on whole DTensors", self._runner("per-leaf DTensor"))
         if self.compile and self.flat_asked:
@@ -168,4 +178,6 @@ class Engine:
     def layout(self) -> dict[str, list[str]] | None:
         """The flat buffers in use: `{buffer: [leaf paths]}`, or None on a per-leaf path."""
         run = self.path.run if self.path else None
+        if isinstance(run, OverReplicas):
+            run = run.inner
         return run.layout() if isinstance(run, FlatUpdate) and run.bound is not None else None

@@ -9,6 +9,13 @@ a shard group holding every param whole between its ranks, with grads equal acro
 (FSDP2 all-reduces them): reductions run within the shard group, so every replica computes
 the same values by the same ops; owner-computes splits the matrices over every
 (replica, rank) slot, and one `all_reduce` across replicas completes every result.
+
+Rows split over both dims of a 2-D mesh (`nested`): the layout of optimizer state sharded
+across HSDP's replicas (`replicas.OverReplicas`). Each FSDP2 block of rows is cut again,
+as `torch.chunk` cuts, between the replicas: `(_StridedShard(0, split_factor=S), Shard(0))`
+on a (replicate, shard) mesh, DTensor's spelling of "blocks over shard, pieces of a block
+over replicate". Every rank of the mesh then holds a distinct row range: it is one row
+layout over all R·S ranks (a group of its own), with no replicas.
 """
 
 from __future__ import annotations
@@ -47,6 +54,11 @@ def why_not(pairs: list[tuple[str, Any]]) -> str | None:
     dtensors = [(p, x) for p, x in pairs if is_dtensor(x)]
     if len({_mesh_key(x.device_mesh) for _, x in dtensors}) != 1:
         return "the params' DTensors do not live on one device mesh"
+    kinds = {nested_order(x) is not None for _, x in dtensors if not _replicated(x)}
+    if kinds == {True}:
+        return None  # every split leaf's rows over both mesh dims
+    if len(kinds) > 1:
+        return "some params' rows are split over both mesh dims and some over one"
     dims = set()
     for path, x in dtensors:
         placements = tuple(x.placements)
@@ -57,6 +69,51 @@ def why_not(pairs: list[tuple[str, Any]]) -> str | None:
     if len(dims) > 1:
         return f"the params are split along mesh dims {sorted(dims)}, not one"
     return None
+
+
+def _replicated(x: Any) -> bool:
+    from torch.distributed.tensor import Replicate
+
+    return all(isinstance(p, Replicate) for p in x.placements)
+
+
+def nested_order(x: Any) -> tuple[int, int] | None:
+    """(outer, inner) mesh dims when `x`'s rows are split over both dims of a 2-D mesh: blocks
+    over `outer`, each block's pieces over `inner` (`nested_placements`); else None."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    p = tuple(x.placements)
+    if len(p) != 2 or any(type(q) not in (Shard, _StridedShard) or q.dim != 0 for q in p):
+        return None
+    if type(p[0]) is _StridedShard and type(p[1]) is Shard and p[0].split_factor == x.device_mesh.size(1):
+        return (1, 0)
+    if type(p[0]) is Shard and type(p[1]) is Shard:
+        return (0, 1)
+    return None
+
+
+def nested_placements(mesh: Any, outer: int) -> tuple:
+    """The placements of rows in blocks over dim `outer` of the 2-D `mesh`, each block's
+    pieces over the other dim (`torch.chunk` both times)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return (Shard(0), Shard(0)) if outer == 0 else (_StridedShard(0, split_factor=mesh.size(1)), Shard(0))
+
+
+def nested_rows(rows: int, outer: int, inner: int, o: int, i: int) -> tuple[int, int]:
+    """(start, count) of piece `i` of `inner` of block `o` of `outer`, `torch.chunk` both times."""
+    start, count = _chunk(rows, outer, o)
+    first, n = _chunk(count, inner, i)
+    return start + first, n
+
+
+def _chunk(rows: int, parts: int, k: int) -> tuple[int, int]:
+    """(start, count) of part `k` of `torch.chunk(rows, parts)` (ceil-sized, the last ones fewer or none)."""
+    size = -(-rows // parts)
+    start = min(k * size, rows)
+    return start, min(size, rows - start)
 
 
 def _mesh_key(mesh: Any) -> tuple:
@@ -70,6 +127,9 @@ def placement(pairs: list[tuple[str, Any]]) -> RowShards:
 
     dtensors = [x for _, x in pairs if is_dtensor(x)]
     mesh = dtensors[0].device_mesh
+    order = next((o for x in dtensors if (o := nested_order(x)) is not None), None)
+    if order is not None:
+        return _nested(pairs, mesh, order, dtensors[0].device)
     dims = {d for x in dtensors for d, p in enumerate(x.placements) if not isinstance(p, Replicate)}
     dim = dims.pop() if dims else mesh.ndim - 1
     group = mesh.get_group(dim) if mesh.ndim > 1 else mesh.get_group()
@@ -83,21 +143,52 @@ def placement(pairs: list[tuple[str, Any]]) -> RowShards:
     return RowShards(group, world, rank, slices, replicas, device=dtensors[0].device)
 
 
-def _slice_of(path: str, x: Any, world: int, rank: int) -> RowSlice:
-    """How the ranks of the shard group hold `x` (row blocks as torch.chunk cuts them)."""
-    from torch.distributed.tensor import Replicate
+_GROUPS: dict[tuple, Any] = {}  # the process group over all ranks of a mesh, made once per mesh
 
-    if not is_dtensor(x) or all(isinstance(p, Replicate) for p in x.placements):
-        return RowSlice(x.shape, (0,) * world, (x.shape[0] if x.dim() else 1,) * world, False)
-    rows = x.shape[0]
-    chunk = -(-rows // world)  # torch.chunk: ceil(rows / world) rows per rank, the last ones fewer or none
-    starts = tuple(min(r * chunk, rows) for r in range(world))
-    counts = tuple(min(chunk, rows - s) for s in starts)
-    if tuple(x._local_tensor.shape) != (counts[rank], *x.shape[1:]):
+
+def _nested(pairs: list[tuple[str, Any]], mesh: Any, order: tuple[int, int], device: Any) -> RowShards:
+    """Rows over both dims of a 2-D mesh: one row layout over the group of all its ranks."""
+    key = _mesh_key(mesh)
+    if key not in _GROUPS:  # the members alone make it (local synchronization)
+        _GROUPS[key] = torch.distributed.new_group(sorted(key[2]), use_local_synchronization=True)
+    group = _GROUPS[key]
+    ranks = torch.distributed.get_process_group_ranks(group)  # global rank by group rank
+    where = {int(g): (a, b) for a, row in enumerate(mesh.mesh.tolist()) for b, g in enumerate(row)}
+    coords = [where[g] for g in ranks]  # (mesh dim 0, mesh dim 1) coordinates by group rank
+    outer, inner = order
+    n_outer, n_inner = mesh.size(outer), mesh.size(inner)
+    world, rank = len(ranks), torch.distributed.get_rank(group)
+
+    def slice_of(path: str, x: Any) -> RowSlice:
+        if not is_dtensor(x) or _replicated(x):
+            return RowSlice(x.shape, (0,) * world, (x.shape[0] if x.dim() else 1,) * world, False)
+        rows = x.shape[0]
+        cuts = [nested_rows(rows, n_outer, n_inner, c[outer], c[inner]) for c in coords]
+        s = RowSlice(x.shape, tuple(a for a, _ in cuts), tuple(n for _, n in cuts), True)
+        _check_local(path, x, s.counts[rank])
+        return s
+
+    info = RowShards(group, world, rank, [slice_of(p, x) for p, x in pairs], None, device=device)
+    info.nested = (n_inner, n_outer)
+    return info
+
+
+def _check_local(path: str, x: Any, rows: int) -> None:
+    if tuple(x._local_tensor.shape) != (rows, *x.shape[1:]):
         raise ValueError(
             f"param '{path}': this rank holds {tuple(x._local_tensor.shape)} of {tuple(x.shape)}, not torch.chunk's "
-            f"{(counts[rank], *x.shape[1:])} rows; purestep's sharded step takes FSDP2's even chunking"
+            f"{(rows, *x.shape[1:])} rows; purestep's sharded step takes FSDP2's even chunking"
         )
+
+
+def _slice_of(path: str, x: Any, world: int, rank: int) -> RowSlice:
+    """How the ranks of the shard group hold `x` (row blocks as torch.chunk cuts them)."""
+    if not is_dtensor(x) or _replicated(x):
+        return RowSlice(x.shape, (0,) * world, (x.shape[0] if x.dim() else 1,) * world, False)
+    rows = x.shape[0]
+    cuts = [_chunk(rows, world, r) for r in range(world)]
+    starts, counts = tuple(a for a, _ in cuts), tuple(n for _, n in cuts)
+    _check_local(path, x, counts[rank])
     return RowSlice(x.shape, starts, counts, True)
 
 
@@ -120,6 +211,7 @@ class RowShards(Placement):
         # HSDP: (the group of this rank's replicas, their number, this rank's index among them)
         self.replica_group: Any
         self.replica_group, self.replicas, self.replica = replicas if replicas is not None else (None, 1, 0)
+        self.nested: tuple[int, int] | None = None  # (replicas, shards) when rows lie over both (`_nested`)
 
     def tags(self, index: int) -> tuple:
         return (("sharded", self.sharded[index]),)
@@ -128,6 +220,13 @@ class RowShards(Placement):
         return None  # a row block holds whole rows: per-row statistics and owner-computes both run
 
     def describe(self) -> str:
+        if self.nested is not None:
+            r, n = self.nested
+            return (
+                f"HSDP with the optimizer state over its {r} replicas x {n} shards: every rank holds 1/{r * n} of each "
+                f"split leaf; reductions are one all_reduce over all {r * n} ranks; whole-matrix math is "
+                "owner-computes over them (an all_to_all each way)"
+            )
         if self.replicas > 1:
             return (
                 f"HSDP, {self.replicas} replicas x {self.world} shards: reductions are one all_reduce within each "
@@ -210,8 +309,9 @@ class RowShards(Placement):
         def rows(u: Any, r: int) -> int:
             return sl[u].counts[r] * sl[u].row_numel
 
-        def assemble(u: Any, pieces: list[Tensor]) -> Tensor:
-            parts = [p.view(sl[u].counts[s], *sl[u].shape[1:]) for s, p in enumerate(pieces)]
+        def assemble(u: Any, pieces: list[Tensor]) -> Tensor:  # in row order (nested: not the ranks')
+            order = sorted(range(len(pieces)), key=lambda s: sl[u].starts[s])
+            parts = [pieces[s].view(sl[u].counts[s], *sl[u].shape[1:]) for s in order]
             return torch.cat(parts) if len(parts) > 1 else parts[0]
 
         def cut(u: Any, result: Tensor, r: int) -> Tensor:

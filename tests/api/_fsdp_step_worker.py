@@ -148,8 +148,9 @@ def model(experts: bool = False) -> torch.nn.Module:
 EXPERTS = ("muon_batch_dims", "normuon_batch_dims")  # the cases whose model has the experts leaf
 
 
-def run(name: str, compile: bool, flat: bool = True, mesh=None) -> float:
-    """One case; `mesh` a 2-D (replicate, shard) mesh for HSDP, else FSDP2 over every rank."""
+def run(name: str, compile: bool, flat: bool = True, mesh=None, over_replicas: bool = False) -> float:
+    """One case; `mesh` a 2-D (replicate, shard) mesh for HSDP, else FSDP2 over every rank;
+    `over_replicas`: HSDP with the state sharded across the replicas."""
     from torch.distributed.fsdp import fully_shard
 
     rank = dist.get_rank() if mesh is None else mesh.get_local_rank("shard")  # the NaN goes to shard rank 1
@@ -161,7 +162,9 @@ def run(name: str, compile: bool, flat: bool = True, mesh=None) -> float:
     opt = CASES[name]()
     params = dict(net.named_parameters())
     state = opt.init(params)
-    update = ps.make_update(opt, compile=compile, donate=True, flat=flat, metrics=True)
+    update = ps.make_update(
+        opt, compile=compile, donate=True, flat=flat, metrics=True, shard_state_over_replicas=over_replicas)
+    whole_state_bytes = ps.state_bytes(opt.init({k: p.detach().full_tensor() for k, p in params.items()}))
     ref_params = {k: p.detach().clone() for k, p in ref.named_parameters()}
     ref_state = opt.init(ref_params)
     pure = ps.make_update(opt)
@@ -192,9 +195,18 @@ def run(name: str, compile: bool, flat: bool = True, mesh=None) -> float:
             if not err <= 2e-6 * max(1.0, float(ref_params[k].abs().max())):
                 raise AssertionError(f"{name} compile={compile} step {step}: '{k}' is {err:.3g} from one process")
             worst = max(worst, err)
-    if mesh is not None:  # HSDP: the replicas hold bitwise the same params and state
+    if over_replicas:  # the state: the global tensors of one process's, 1/4 of its bytes per rank (+ scalars)
+        for i, (x, want) in enumerate(zip(ps.tree_leaves(state), ps.tree_leaves(ref_state))):
+            got = x.full_tensor() if hasattr(x, "full_tensor") else x
+            if not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+                raise AssertionError(f"{name} compile={compile}: state leaf {i} is not one process's")
+        mine = ps.state_bytes(state)
+        if not mine <= whole_state_bytes / 4 + 256:
+            raise AssertionError(f"{name}: {mine} state bytes on this rank, one process holds {whole_state_bytes}")
+    if mesh is not None:  # HSDP: the replicas hold bitwise the same params (and state, unless sharded over them)
         group = mesh.get_group("replicate")
-        for k, x in [*params.items(), *((f"state {i}", x) for i, x in enumerate(ps.tree_leaves(state)))]:
+        own = [] if over_replicas else [(f"state {i}", x) for i, x in enumerate(ps.tree_leaves(state))]
+        for k, x in [*params.items(), *own]:
             mine = x.to_local() if hasattr(x, "to_local") else x
             theirs = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
             dist.all_gather(theirs, mine.contiguous(), group=group)
@@ -204,7 +216,8 @@ def run(name: str, compile: bool, flat: bool = True, mesh=None) -> float:
     assert skipped == 1, f"{name}: {skipped} skipped steps, expected the NaN step only"
     sharded = flat and name not in WHOLE
     assert update.explain().startswith("sharded" if sharded else "per-leaf DTensor"), update.explain()
-    assert mesh is None or not sharded or "HSDP, 2 replicas x 2 shards" in update.explain(), update.explain()
+    label = "the optimizer state over its 2 replicas x 2 shards" if over_replicas else "HSDP, 2 replicas x 2 shards"
+    assert mesh is None or not sharded or label in update.explain(), update.explain()
     # A forward after the last update reads it: FSDP2 all-gathers from the flat buffers.
     x = torch.randn(4, 6, generator=gen)
     torch.testing.assert_close(net(x), torch.func.functional_call(ref, ref_params, (x,)), rtol=1e-5, atol=1e-5)
@@ -213,6 +226,7 @@ def run(name: str, compile: bool, flat: bool = True, mesh=None) -> float:
 
 HSDP = ("adamw+clip+skip", "muon_adamw", "normuon_adamw", "lamb", "prodigy")
 HSDP_COMPILED = ("adamw+clip+skip", "muon_adamw")
+OVER_REPLICAS = ("adamw+clip+skip", "muon_adamw", "normuon_adamw", "muon_split")
 
 
 def main_hsdp() -> None:
@@ -226,6 +240,11 @@ def main_hsdp() -> None:
             worst = run(name, compile, mesh=mesh)
             if dist.get_rank() == 0:
                 print(f"ok hsdp {name} compile={compile} max_err={worst:.2e}", flush=True)
+    for name in OVER_REPLICAS:
+        for compile in (False, True) if name in HSDP_COMPILED else (False,):
+            worst = run(name, compile, mesh=mesh, over_replicas=True)
+            if dist.get_rank() == 0:
+                print(f"ok over-replicas {name} compile={compile} max_err={worst:.2e}", flush=True)
     for layout in ("fsdp+tp", "tp"):
         for name in TP_CASES:
             for compile in (False, True) if name in TP_COMPILED else (False,):

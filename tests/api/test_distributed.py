@@ -94,17 +94,34 @@ def resumes_like_one_process(tmp_path, saved: str, other: str, strategy: str) ->
 
 def test_hsdp_on_four_ranks_matches_one_process_and_resumes_on_fsdp_and_on_one_process(tmp_path, same_device_as_the_ranks):
     """strategy="hsdp" on a (2 replicas, 2 shards) mesh: the Trainer's sharded update runs
-    within each replica, equal to one process; its DCP checkpoint resumes on FSDP2 over 2
-    ranks and in one plain process (resharded across meshes on load)."""
+    with the optimizer state sharded across the replicas (its default), equal to one process,
+    each rank holding about 1/4 of the state; its DCP checkpoint (the state saved as the global
+    tensors) resumes under HSDP with whole blocks per replica, on FSDP2 over 2 ranks and in one
+    plain process (resharded across meshes on load)."""
     out = torchrun(str(tmp_path / "hsdp"), "hsdp", "8", "--nan-at", "5", "--set", "replicate=2", nproc=4)
     assert out.stderr.count("step 6: skip_nonfinite") == 4  # every rank skipped the step rank 0 poisoned
     assert "path sharded" in out.stdout, out.stdout  # the update ran on the shards, not on whole DTensors
+    assert "the optimizer state over its 2 replicas x 2 shards" in out.stdout, out.stdout
     ref = trainer(tmp_path / "single", "steps=8", nan_at=5)
     ref.fit()
     hsdp = load_checkpoint(tmp_path / "hsdp" / "checkpoints" / "step_00000008")
     assert hsdp.manifest.layout == "dcp" and hsdp.manifest.world_size == 4
     for k, p in ref.named.items():
         torch.testing.assert_close(hsdp.params[k], p.detach(), rtol=1e-3, atol=1e-5)
+    first = lambda run: json.loads((tmp_path / run / "metrics.jsonl").read_text().splitlines()[0])  # noqa: E731
+    # the state and EMA this rank holds: 1/4 of one process's, but for the scalars and uneven rows
+    assert first("hsdp")["state_bytes"] <= first("single")["state_bytes"] / 4 * 1.05, (first("hsdp"), first("single"))
+    # The same checkpoint resumed on the same mesh with a whole copy of the state per replica.
+    shutil.copytree(tmp_path / "hsdp", tmp_path / "hsdp_whole")
+    out = torchrun(str(tmp_path / "hsdp_whole"), "hsdp", "12", "--resume", "--nan-at", "5", "--set", "replicate=2",
+                   "--set", "shard_state_over_replicas=false", nproc=4)
+    assert "HSDP, 2 replicas x 2 shards" in out.stdout, out.stdout
+    shutil.copytree(tmp_path / "single", tmp_path / "single_whole")  # one process resumed from step 8
+    ref12 = trainer(tmp_path / "single_whole", "steps=12", nan_at=5)
+    ref12.fit(resume=True)
+    whole = load_checkpoint(tmp_path / "hsdp_whole" / "checkpoints" / "step_00000012")
+    for k, p in ref12.named.items():
+        torch.testing.assert_close(whole.params[k], p.detach(), rtol=1e-3, atol=1e-5)
     resumes_like_one_process(tmp_path, "hsdp", "fsdp2", "fsdp")
 
 

@@ -54,6 +54,15 @@ def test_sharded_update_on_an_hsdp_mesh_of_four_ranks_equals_one_process_and_kee
         ["muon_adamw", "compile=False"], ["muon_adamw", "compile=True"],
         ["normuon_adamw", "compile=False"], ["lamb", "compile=False"], ["prodigy", "compile=False"],
     ], out.stdout
+    # The state sharded across the replicas (shard_state_over_replicas=True): each rank holds
+    # 1/4 of every state leaf (ps.state_bytes), the state's full tensors are one process's,
+    # the params bitwise equal across replicas and equal to one process.
+    done = [line.split()[2:4] for line in out.stdout.splitlines() if line.startswith("ok over-replicas ")]
+    assert done == [
+        ["adamw+clip+skip", "compile=False"], ["adamw+clip+skip", "compile=True"],
+        ["muon_adamw", "compile=False"], ["muon_adamw", "compile=True"],
+        ["normuon_adamw", "compile=False"], ["muon_split", "compile=False"],
+    ], out.stdout
     # Tensor parallelism (FSDP2 over mesh["dp"] beside TP over mesh["tp"]; TP alone beside plain
     # params): torch's own clip_grad_norm_ refuses the mixed meshes. Elementwise math and
     # reductions run on each rank's blocks (the sharded path: weights count each block once),

@@ -195,3 +195,19 @@ def test_step_count_without_a_counter_says_how_to_get_one_and_tree_get_points_to
     state = ps.adamw(lr=ps.cosine_schedule(1e-3, 10)).init({"w": torch.zeros(1)})
     with pytest.raises(KeyError, match="ps.step_count"):
         ps.tree_get(state, "count")
+
+
+def test_state_bytes_counts_each_tensor_once_and_a_dtensor_by_its_local_part(one_rank_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    params = {"w": torch.zeros(4, 3), "b": torch.zeros(3, dtype=torch.float64)}
+    state = ps.adamw(1e-3).init(params)
+    # mu and nu of w (2 x 12 x 4 bytes) and of b (2 x 3 x 8), and the int64 count
+    assert ps.state_bytes(state) == 2 * 12 * 4 + 2 * 3 * 8 + 8
+    shared = torch.zeros(5)
+    assert ps.state_bytes({"a": shared, "b": shared, "n": 3, "none": None}) == 20
+    mesh = init_device_mesh("cpu", (1,))
+    # a DTensor that stands for a (8, 3) tensor of which this rank holds 2 rows: its 2 rows count
+    piece = DTensor.from_local(torch.zeros(2, 3), mesh, [Shard(0)], run_check=False, shape=(8, 3), stride=(3, 1))
+    assert piece.shape == (8, 3) and ps.state_bytes([piece]) == 2 * 3 * 4

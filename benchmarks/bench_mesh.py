@@ -17,6 +17,10 @@ The model is `purestep.api.models.GPT` (dim 128, 24 blocks: 5.2M params in 147 t
 - `muon`: `muon_adamw(ns_dtype=float32)` on the mesh: the Newton-Schulz FLOPs each rank runs
   (the profiler's matmul FLOPs of one step) against the whole model's in one process, and the
   step time against that one process.
+- `replicas`: `make_update(..., shard_state_over_replicas=True)` against the same step with a
+  whole state per replica and against torch's clip + fused AdamW: state bytes per rank
+  (`ps.state_bytes`), step time, and the bytes handed to collectives across the replicas in one
+  forward, backward and step (torch.distributed's collectives counted).
 - `collectives`: collectives per step of the compiled clip + AdamW + apply_if_finite step and
   of Muon, at 24 and 6 blocks (they must not grow with the tensor count).
 - `tp`: FSDP2 beside tensor parallelism on a (dp 2, tp 2) mesh: the GPT's `tp_plan` (each
@@ -54,6 +58,8 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def build(mesh, n_layers: int = 24, dim: int = 128) -> torch.nn.Module:
+    """The GPT, FSDP2 per block then the root over `mesh` (a (replicate, shard) mesh: HSDP; its
+    `["shard"]` slice: FSDP2 within each replica alone)."""
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
@@ -65,13 +71,152 @@ def build(mesh, n_layers: int = 24, dim: int = 128) -> torch.nn.Module:
     return model
 
 
-def purestep_step(mesh, transform: ps.Transform, n_layers: int = 24):
-    model = build(mesh, n_layers)
+def purestep_step(mesh, transform: ps.Transform, n_layers: int = 24, over_replicas=False):
+    """`over_replicas`: True (HSDP on `mesh`), or "apart" (FSDP2 on mesh["shard"], the update given `mesh`)."""
+    model = build(mesh["shard"] if over_replicas == "apart" else mesh, n_layers)
     params = dict(model.named_parameters())
     grads = grads_of(model)
     state = transform.init(params)
-    update = ps.make_update(transform, compile=True, donate=True)
-    return (lambda: update(params, grads, state)), update, model
+    over = mesh if over_replicas == "apart" else over_replicas
+    update = ps.make_update(transform, compile=True, donate=True, shard_state_over_replicas=over)
+    step = lambda: update(params, grads, state)  # noqa: E731
+    step.state = state
+    return step, update, model
+
+
+class Traffic:
+    """Bytes of the collectives issued while counting, per process group (torch.distributed's
+    collectives wrapped: FSDP2's and purestep's eager ones go through them)."""
+
+    OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "all_gather")
+
+    def __init__(self) -> None:
+        self.bytes: dict[tuple, int] = {}
+        self.on = False
+        for name in self.OPS:
+            setattr(dist, name, self._wrap(getattr(dist, name), name))
+
+    def _wrap(self, fn, name):
+        def counted(*args, **kwargs):
+            if self.on:
+                group = kwargs.get("group")
+                ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
+                # the bytes this rank sends in a ring over the group's k ranks: an all_reduce of n bytes
+                # 2(k-1)/k·n, a reduce_scatter of an n-byte input (k-1)/k·n, an all_gather of an n-byte input (k-1)·n
+                t = args[1] if name in ("all_gather_into_tensor", "reduce_scatter_tensor") else args[0]
+                n = sum(x.numel() * x.element_size() for x in (t if isinstance(t, list) else [t]))
+                k = len(ranks)
+                sent = {"all_reduce": 2 * (k - 1) / k * n, "reduce_scatter_tensor": (k - 1) / k * n,
+                        "all_gather_into_tensor": (k - 1) * n}.get(name, (k - 1) / k * n)
+                self.bytes[(name, ranks)] = self.bytes.get((name, ranks), 0) + sent
+            return fn(*args, **kwargs)
+
+        return counted
+
+    def count(self, fn) -> dict:
+        self.bytes, self.on = {}, True
+        try:
+            fn()
+        finally:
+            self.on = False
+        return dict(self.bytes)
+
+
+TRAFFIC: Traffic | None = None
+
+
+def part_replicas(mesh, args) -> list[str]:
+    """HSDP 2x2 with the optimizer state sharded across the replicas against the same step with a
+    whole copy per replica and against torch's clip_grad_norm_ + AdamW(fused=True): state bytes
+    per rank, step time, and the bytes crossing replicas in a training step (forward, backward,
+    optimizer step)."""
+    global TRAFFIC
+    TRAFFIC = TRAFFIC or Traffic()
+    over, over_update, over_model = purestep_step(mesh, recipe(), over_replicas=True)
+    apart, apart_update, apart_model = purestep_step(mesh, recipe(), over_replicas="apart")
+    whole, _, whole_model = purestep_step(mesh, recipe())
+    model = build(mesh)
+    grads_of(model)
+    fused = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+
+    def torch_step():
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        fused.step()
+
+    fns = {"purestep, state over the replicas (HSDP)": over,
+           "purestep, state over the replicas (FSDP2 per replica, the mesh given)": apart,
+           "purestep, a whole state per replica (HSDP)": whole,
+           "torch clip_grad_norm_ + AdamW(fused=True) (HSDP)": torch_step}
+    medians = [interleaved(fns, args.steps) for _ in range(args.reps)]
+    models = dict(zip(fns, (over_model, apart_model, whole_model, model)))
+
+    def train_step(m, fn):
+        def go():
+            grads_of(m)  # forward and backward: FSDP2's all-gathers, reduce-scatters and, under HSDP, the all-reduce
+            fn()
+        return go
+
+    trains = {name: train_step(models[name], fn) for name, fn in fns.items()}
+    train_medians = [interleaved(trains, max(args.steps // 2, 3)) for _ in range(args.reps)]
+    local = lambda x: x._local_tensor if hasattr(x, "_local_tensor") else x  # noqa: E731
+    torch_bytes = sum(local(t).numel() * local(t).element_size() for st in fused.state.values() for t in st.values())
+    one = ps.state_bytes(recipe().init({k: torch.empty(p.shape) for k, p in model.named_parameters()}))
+    sizes = torch.tensor([ps.state_bytes(over.state), ps.state_bytes(apart.state), ps.state_bytes(whole.state),
+                          torch_bytes], dtype=torch.float64)
+    most = sizes.clone()
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    replicas = tuple(dist.get_process_group_ranks(mesh.get_group("replicate")))
+    traffic = {key: TRAFFIC.count(trains[name]) for key, name in zip(("over", "apart", "whole", "torch"), fns)}
+    across = {k: sum(b for (op, ranks), b in t.items() if ranks == replicas) for k, t in traffic.items()}
+    ops = {k: sorted({op for (op, ranks), _ in t.items() if ranks == replicas}) for k, t in traffic.items()}
+    # Equality with torch from the same params and grads, `--check` steps (the mesh-given form:
+    # the same grads in both replicas, so their mean is torch's).
+    ours, _, ours_model = purestep_step(mesh, recipe(), over_replicas="apart")
+    theirs = build(mesh)
+    theirs_grads = grads_of(theirs)
+    opt = torch.optim.AdamW(theirs.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+    for _ in range(args.check):
+        ours()
+        for p, g in zip(theirs.parameters(), theirs_grads.values()):
+            p.grad = g
+        torch.nn.utils.clip_grad_norm_(theirs.parameters(), 1.0)
+        opt.step()
+    with torch.no_grad():
+        worst = max(float((a.full_tensor() - b.full_tensor()).abs().max() / b.full_tensor().abs().max().clamp(min=1e-12))
+                    for a, b in zip(ours_model.parameters(), theirs.parameters()))
+    if dist.get_rank() != 0:
+        return []
+    fused_ms = statistics.median(m[list(fns)[-1]] for m in medians) * 1e3
+    fused_train = statistics.median(m[list(fns)[-1]] for m in train_medians) * 1e3
+    n = sum(p.numel() for p in model.parameters())
+    lines = [
+        f"### Optimizer state over HSDP's replicas (2x2), {n / 1e6:.1f}M params",
+        "",
+        f"`explain()`: {over_update.explain()}",
+        "",
+        f"`explain()` with the mesh given: {apart_update.explain()}",
+        "",
+        "| contender | optimizer step ms (spread) | / fused | training step ms (spread) | / fused | state bytes, "
+        "largest rank | / one process's | bytes sent across replicas per training step, rank 0 (collectives) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for (name, key), size in zip(zip(fns, ("over", "apart", "whole", "torch")), most.tolist()):
+        per_rep = [m[name] * 1e3 for m in medians]
+        ms = statistics.median(per_rep)
+        train_rep = [m[name] * 1e3 for m in train_medians]
+        train = statistics.median(train_rep)
+        lines.append(f"| {name} | {ms:.1f} ({min(per_rep):.1f}-{max(per_rep):.1f}) | {ms / fused_ms:.2f} | "
+                     f"{train:.1f} ({min(train_rep):.1f}-{max(train_rep):.1f}) | {train / fused_train:.2f} | "
+                     f"{size / 1e6:.2f} MB | {size / one:.3f} | {across[key] / 1e6:.2f} MB ({', '.join(ops[key])}) |")
+    lines += ["", f"One process holds {one / 1e6:.2f} MB of state. The training step: forward, backward and "
+              "optimizer step on a fixed batch. Bytes sent across replicas: the collectives over the replicate group "
+              "in one training step, counted as a ring sends them (an all_reduce of n bytes 2(k-1)/k·n per rank, a "
+              "reduce_scatter (k-1)/k·n of its input, an all_gather (k-1)·n of its input); under HSDP FSDP2 "
+              "all-reduces the grads across the replicas in its backward; with the mesh given, the update's "
+              "reduce_scatter and all_gather are all.",
+              "", f"Equality after {args.check} steps from the same params and grads (state over the replicas against "
+              f"torch): largest relative difference of the params {worst:.2e} (float32).", ""]
+    return lines
 
 
 def part_step(mesh, args) -> list[str]:
@@ -267,7 +412,8 @@ def main() -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--parts", nargs="+", default=["step", "muon", "collectives"], choices=["step", "muon", "collectives", "tp", "tp-muon"])
+    ap.add_argument("--parts", nargs="+", default=["step", "muon", "collectives"],
+                    choices=["step", "muon", "collectives", "tp", "tp-muon", "replicas"])
     ap.add_argument("--steps", type=int, default=10, help="interleaved steps per repeat (median)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--check", type=int, default=5, help="steps of the equality check")
@@ -280,6 +426,7 @@ def main() -> None:
     lines: list[str] = []
     for part in args.parts:
         lines += {"step": part_step, "muon": part_muon, "collectives": part_collectives, "tp": part_tp,
+                  "replicas": part_replicas,
                   "tp-muon": lambda mesh, args: part_muon(mesh, args, "FSDP+TP 2x2", build_tp)}[part](mesh, args)
     if dist.get_rank() == 0:
         head = [

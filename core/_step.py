@@ -269,7 +269,7 @@ def make_update(
     ema: Any = None,
     flat: bool = True,
     metrics: bool = False,
-    shard_state_over_replicas: bool = False,
+    shard_state_over_replicas: Any = False,
 ) -> Callable[..., tuple]:
     """The optimizer half of a step, for gradients from `loss.backward()`.
 
@@ -307,7 +307,11 @@ def make_update(
         replicate dim; `full_tensor()` and torch.distributed.checkpoint see the global
         tensors), the update runs on that piece, and one all_gather across the replicas
         puts the params' blocks together (bit-identical on every replica). Elsewhere it
-        changes nothing (`explain()` says so).
+        changes nothing (`explain()` says so). Given the (replicate, shard) `DeviceMesh`
+        instead of True, with `fully_shard(..., mesh=mesh["shard"])` in each replica (no
+        all-reduce of the grads in the backward), the update itself averages each replica's
+        grads (a reduce_scatter across the replicas, then the all_gather of the params: the
+        bytes of HSDP's all-reduce, with the state split).
 
     Eager donation (`donate=True` without compile) applies the update in place without
     materializing it where the transform has an in-place form (`with_in_place`): a
@@ -361,8 +365,13 @@ def make_update(
     averaging = _check_ema(ema)
     if not isinstance(metrics, bool):
         raise ValueError(f"metrics must be True or False, got {metrics!r}")
-    if not isinstance(shard_state_over_replicas, bool):
-        raise ValueError(f"shard_state_over_replicas must be True or False, got {shard_state_over_replicas!r}")
+    if not isinstance(shard_state_over_replicas, bool) and (
+        getattr(shard_state_over_replicas, "ndim", None) != 2 or not hasattr(shard_state_over_replicas, "get_group")
+    ):
+        raise ValueError(
+            "shard_state_over_replicas must be True, False or a 2-D (replicate, shard) DeviceMesh, got "
+            f"{shard_state_over_replicas!r}"
+        )
     if shard_state_over_replicas and not donate:
         raise ValueError("shard_state_over_replicas=True needs donate=True (it re-places the state in place)")
 

@@ -84,9 +84,10 @@ class Engine:
     Each path's runner is made once, when first needed.
     """
 
-    def __init__(self, program: Any, *, compile: bool, flat: bool, over_replicas: bool = False) -> None:
+    def __init__(self, program: Any, *, compile: bool, flat: bool, over_replicas: Any = False) -> None:
         self.program, self.compile, self.flat_asked = program, compile, flat
-        self.over_replicas = over_replicas  # HSDP: the state sharded across the replicas (`replicas`)
+        # the state sharded across HSDP's replicas (`replicas`): True, or the (replicate, shard) mesh
+        self.over_replicas = over_replicas
         self.path: _Path | None = None
         self.on_dtensors: bool | None = None
         self._runners: dict[str, Runner] = {}
@@ -97,7 +98,10 @@ class Engine:
             make: dict[str, Callable[[], Runner]] = {
                 "flat": lambda: FlatUpdate(p) if p.kind == "update" else FlatStep(p),
                 "sharded": lambda: ShardedUpdate(p) if self.compile else ShardedEager(p),
-                "sharded over replicas": lambda: OverReplicas(ShardedUpdate(p) if self.compile else ShardedEager(p)),
+                "sharded over replicas": lambda: OverReplicas(
+                    ShardedUpdate(p) if self.compile else ShardedEager(p),
+                    None if self.over_replicas is True else self.over_replicas,
+                ),
                 "per-leaf compiled": lambda: PerLeaf(
                     copy_scalars(compile_per_leaf(functools.partial(p.in_place, defer_scalars=True)))
                 ),
@@ -134,7 +138,9 @@ class Engine:
             elif self.program.kind != "update":
                 why = "no sharded path here"
             else:
-                split = self.over_replicas and hsdp_replicas(params) is not None
+                split = self.over_replicas is not False and (
+                    self.over_replicas is not True or hsdp_replicas(params) is not None
+                )
                 runner = self._runner("sharded over replicas" if split else "sharded")
                 if runner.plans(params, agree=agree):
                     how = (

@@ -32,9 +32,10 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch import Tensor
 
 from .. import _tree as tr
-from .dtensor import is_dtensor
+from .dtensor import is_dtensor, local
 from .rows import _chunk, nested_placements
 
 
@@ -66,13 +67,17 @@ def hsdp_replicas(params: Any) -> tuple[Any, int, int] | None:
 
 class OverReplicas:
     """The sharded path on proxies holding 1/R of each block (see the module docstring).
-    `inner` is the sharded runner the proxies go through."""
+    `inner` is the sharded runner the proxies go through; `mesh`, when given, the
+    (replicate, shard) mesh of params that FSDP2 shards over its shard dim alone."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, mesh: Any = None) -> None:
         self.inner = inner
+        self.given = mesh
         self.why_not: str | None = None
         self._key: list | None = None
+        self._placed: tuple | None = None
         self.proxies: Any = None
+        self.grad_proxies: list[Any] = []
 
     def layout(self) -> Any:
         return self.inner.layout()
@@ -88,38 +93,61 @@ class OverReplicas:
         key = [(id(x), x._local_tensor.data_ptr() if is_dtensor(x) else x.data_ptr()) for x in leaves]
         if self._key == key:
             return self.proxies
-        found = hsdp_replicas(params)
-        if found is None:
-            raise ValueError("shard_state_over_replicas=True: the params are not HSDP row blocks with replicas")
-        self.mesh, self.rdim, self.sdim = found
-        group = self.mesh.get_group(self.rdim)
-        self.group, self.replicas = group, self.mesh.size(self.rdim)
-        self.me = self.mesh.get_local_rank(self.rdim)
-        # the replicate-dim coordinate of each rank of the group (the all_gather's order)
+        if self.given is not None:  # FSDP2 within each replica: the grads are each replica's own
+            self.mesh, self.rdim, self.sdim = self.given, 0, 1
+            self.me = self.mesh.get_local_rank(0)
+            self.shard_ranks = self.mesh.mesh[self.me].tolist()
+        else:  # HSDP: FSDP2 all-reduced the grads across the replicas
+            found = hsdp_replicas(params)
+            if found is None:
+                raise ValueError("shard_state_over_replicas=True: the params are not HSDP row blocks with replicas")
+            self.mesh, self.rdim, self.sdim = found
+            self.me = self.mesh.get_local_rank(self.rdim)
+        self.group, self.replicas = self.mesh.get_group(self.rdim), self.mesh.size(self.rdim)
+        # the replicate-dim coordinate of each rank of the group (the collectives' order)
         where = {int(g): (a, b) for a, row in enumerate(self.mesh.mesh.tolist()) for b, g in enumerate(row)}
-        self.order = [where[g][self.rdim] for g in torch.distributed.get_process_group_ranks(group)]
+        self.order = [where[g][self.rdim] for g in torch.distributed.get_process_group_ranks(self.group)]
         self.placements = nested_placements(self.mesh, self.sdim)
         self.blocks = [x._local_tensor if is_dtensor(x) else x for x in leaves]
         self.split = [is_dtensor(x) and self._is_block(x) for x in leaves]
+        if self.given is not None and not all(self.split):
+            path = tr.tree_flatten_with_path(params)[0][self.split.index(False)][0]
+            raise ValueError(
+                f"shard_state_over_replicas=<mesh>: param '{path}' is not an FSDP2 block over the mesh's shard dim "
+                f"(ranks {self.shard_ranks}): fully_shard every module with mesh=mesh['shard']"
+            )
+        self.rows = [self._rows(b.shape[0], self.me) if s else (0, 0) for b, s in zip(self.blocks, self.split)]
+        self.io = self._io()
+        spec = pytree.tree_structure(params)
         with torch.no_grad():
             self.proxies = pytree.tree_unflatten(
-                [self._piece(x, copy=True) if s else x for x, s in zip(leaves, self.split)],
-                pytree.tree_structure(params),
+                [self._piece(x, copy=True) if s else x for x, s in zip(leaves, self.split)], spec
             )
-        self._key = key
+            # The grads' pieces live in tensors of their own, filled each call (the sharded path
+            # re-points them into its grad buffer once: the copy then writes there).
+            self.grad_proxies = [self._piece(x, copy=True) if s else None for x, s in zip(leaves, self.split)]
+        self._key, self._placed = key, None
         return self.proxies
 
     def _is_block(self, x: Any) -> bool:
-        """Whether `x` is placed as the params' blocks (rows over the shard dim, whole over the replicas)."""
+        """Whether `x` is placed as the params' blocks (rows over the shard dim; whole over the
+        replicas, or on the shard dim's own mesh when the mesh was given)."""
         from torch.distributed.tensor import Replicate, Shard
 
         p = tuple(x.placements)
+        if self.given is not None:
+            return (
+                len(p) == 1
+                and type(p[0]) is Shard
+                and p[0].dim == 0
+                and x.device_mesh.mesh.tolist() == self.shard_ranks
+            )
         return (
-            x.device_mesh == self.mesh
-            and len(p) == 2
+            len(p) == 2
             and type(p[self.sdim]) is Shard
             and p[self.sdim].dim == 0
             and isinstance(p[self.rdim], Replicate)
+            and x.device_mesh == self.mesh
         )
 
     def _rows(self, block_rows: int, q: int) -> tuple[int, int]:
@@ -143,6 +171,38 @@ class OverReplicas:
                     piece = self._piece(x, copy=True)
                 x._local_tensor, x._spec = piece._local_tensor, piece._spec
 
+    def _io(self) -> list[tuple[list[int], list[list[int]], int]]:
+        """Per dtype of the split leaves: their indices, each replica's numel of each piece, and
+        the largest total (the padded width of the collectives)."""
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, s in enumerate(self.split):
+            if s:
+                by_dtype.setdefault(self.blocks[i].dtype, []).append(i)
+        io = []
+        for idx in by_dtype.values():
+            width = [self.blocks[i][0].numel() if self.blocks[i].shape[0] else 0 for i in idx]
+            sizes = [
+                [self._rows(self.blocks[i].shape[0], q)[1] * w for i, w in zip(idx, width)]
+                for q in range(self.replicas)
+            ]
+            io.append((idx, sizes, max(sum(s) for s in sizes)))
+        return io
+
+    def _places(self, blocks: list, idx: list[int], sizes: list[list[int]], flat: Tensor) -> tuple[list, list]:
+        """Every replica's piece of each block in `blocks`, and its place in `flat` (one row of
+        the padded width per rank of the group, in the group's order): one foreach copy either way."""
+        pieces, places = [], []
+        for k, q in enumerate(self.order):
+            offset = 0
+            for j, i in enumerate(idx):
+                n = sizes[q][j]
+                if n:
+                    a, count = self._rows(self.blocks[i].shape[0], q)
+                    pieces.append(blocks[i][a : a + count])
+                    places.append(flat[k, offset : offset + n].view(count, *self.blocks[i].shape[1:]))
+                offset += n
+        return pieces, places
+
     # -- the runner protocol -------------------------------------------------------------
     def plans(self, params: Any, agree: bool = True) -> bool:
         try:
@@ -160,12 +220,13 @@ class OverReplicas:
         proxies = self._prepare(params)
         grad_leaves = tr.check_match(grads, params, "grads", "params")
         spec = pytree.tree_structure(params)
-        g = pytree.tree_unflatten(
-            [self._piece(x, copy=False) if s else x for x, s in zip(grad_leaves, self.split)], spec
-        )
-        self._replace(opt_state)
-        if ema_state is not None:
-            self._replace(ema_state)
+        self._grads_in([local(x) for x in grad_leaves])
+        g = pytree.tree_unflatten([gp if gp is not None else x for gp, x in zip(self.grad_proxies, grad_leaves)], spec)
+        if self._placed != (id(opt_state), id(ema_state)):  # a new state tree: its blocks re-placed as pieces
+            self._replace(opt_state)
+            if ema_state is not None:
+                self._replace(ema_state)
+            self._placed = (id(opt_state), id(ema_state))
         if extra:  # the transform's own inputs shaped like the params: their pieces
             extra = {
                 k: pytree.tree_unflatten(
@@ -176,34 +237,40 @@ class OverReplicas:
                 for k, v in extra.items()
             }
         out = self.inner(proxies, g, opt_state, ema_state, amp, extra)
-        self._gather(pytree.tree_leaves(proxies))
+        self._params_out(pytree.tree_leaves(proxies))
         return out
 
-    def _gather(self, proxies: list) -> None:
+    def _grads_in(self, blocks: list) -> None:
+        """This rank's pieces of the grads into the grad proxies: taken from the blocks (equal
+        across replicas under HSDP), or their mean over the replicas (one reduce_scatter per
+        dtype, when the mesh was given)."""
+        if self.given is None:
+            mine = [
+                (gp._local_tensor, b[a : a + n])
+                for gp, b, (a, n) in zip(self.grad_proxies, blocks, self.rows)
+                if gp is not None
+            ]
+            torch._foreach_copy_([d for d, _ in mine], [s for _, s in mine])
+            return
+        for idx, sizes, most in self.io:
+            send = blocks[idx[0]].new_zeros(self.replicas, most)
+            pieces, places = self._places(blocks, idx, sizes, send)
+            torch._foreach_copy_(places, pieces)
+            got = send.new_empty(most)
+            torch.distributed.reduce_scatter_tensor(got, send.view(-1), group=self.group)
+            got.mul_(1.0 / self.replicas)
+            dst = [self.grad_proxies[i]._local_tensor for i in idx]
+            torch._foreach_copy_(
+                dst, [v.view(d.shape) for d, v in zip(dst, got[: sum(sizes[self.me])].split(sizes[self.me]))]
+            )
+
+    def _params_out(self, proxies: list) -> None:
         """The updated pieces of every replica into the user's param blocks: one all_gather per dtype."""
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, s in enumerate(self.split):
-            if s:
-                by_dtype.setdefault(self.blocks[i].dtype, []).append(i)
-        for idx in by_dtype.values():
-            rows = [self.blocks[i].shape[0] for i in idx]
-            width = [self.blocks[i][0].numel() if self.blocks[i].shape[0] else 0 for i in idx]
-            sizes = [[self._rows(r, q)[1] * w for r, w in zip(rows, width)] for q in range(self.replicas)]
-            most = max(sum(s) for s in sizes)
+        for idx, sizes, most in self.io:
             mine = [proxies[i]._local_tensor.reshape(-1) for i in idx]
             send = torch.cat(mine + [mine[0].new_zeros(most - sum(sizes[self.me]))])
             flat = send.new_empty(self.replicas * most)
             torch.distributed.all_gather_into_tensor(flat, send, group=self.group)
-            got = flat.view(self.replicas, most)
-            dst, src = [], []
-            for k, q in enumerate(self.order):  # group rank k holds replica q's pieces
-                offset = 0
-                for j, i in enumerate(idx):
-                    n = sizes[q][j]
-                    if n:
-                        a, count = self._rows(rows[j], q)
-                        dst.append(self.blocks[i][a : a + count])
-                        src.append(got[k, offset : offset + n].view(count, *self.blocks[i].shape[1:]))
-                    offset += n
-            if dst:
-                torch._foreach_copy_(dst, src)
+            pieces, places = self._places(self.blocks, idx, sizes, flat.view(self.replicas, most))
+            if pieces:
+                torch._foreach_copy_(pieces, places)

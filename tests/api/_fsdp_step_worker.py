@@ -148,22 +148,25 @@ def model(experts: bool = False) -> torch.nn.Module:
 EXPERTS = ("muon_batch_dims", "normuon_batch_dims")  # the cases whose model has the experts leaf
 
 
-def run(name: str, compile: bool, flat: bool = True, mesh=None, over_replicas: bool = False) -> float:
+def run(name: str, compile: bool, flat: bool = True, mesh=None, over_replicas: bool | str = False) -> float:
     """One case; `mesh` a 2-D (replicate, shard) mesh for HSDP, else FSDP2 over every rank;
-    `over_replicas`: HSDP with the state sharded across the replicas."""
+    `over_replicas`: HSDP with the state sharded across the replicas (True), or "mesh": FSDP2
+    over mesh["shard"] in each replica, each replica on its own half of the batch, the update
+    given the mesh (it averages the replicas' grads)."""
     from torch.distributed.fsdp import fully_shard
 
     rank = dist.get_rank() if mesh is None else mesh.get_local_rank("shard")  # the NaN goes to shard rank 1
     ref, net = model(name in EXPERTS), model(name in EXPERTS)
+    apart = over_replicas == "mesh"
     for layer in net:
         if isinstance(layer, (torch.nn.Linear, Experts)):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(net, mesh=mesh)
+            fully_shard(layer, mesh=mesh["shard"] if apart else mesh)
+    fully_shard(net, mesh=mesh["shard"] if apart else mesh)
     opt = CASES[name]()
     params = dict(net.named_parameters())
     state = opt.init(params)
-    update = ps.make_update(
-        opt, compile=compile, donate=True, flat=flat, metrics=True, shard_state_over_replicas=over_replicas)
+    update = ps.make_update(opt, compile=compile, donate=True, flat=flat, metrics=True,
+                            shard_state_over_replicas=mesh if apart else bool(over_replicas))
     whole_state_bytes = ps.state_bytes(opt.init({k: p.detach().full_tensor() for k, p in params.items()}))
     ref_params = {k: p.detach().clone() for k, p in ref.named_parameters()}
     ref_state = opt.init(ref_params)
@@ -172,7 +175,8 @@ def run(name: str, compile: bool, flat: bool = True, mesh=None, over_replicas: b
     worst = 0.0
     for step in range(4):
         x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 1, generator=gen)
-        ((net(x) - y) ** 2).mean().backward()
+        half = slice(4 * mesh.get_local_rank("replicate"), 4 * mesh.get_local_rank("replicate") + 4) if apart else slice(None)
+        ((net(x[half]) - y[half]) ** 2).mean().backward()
         grads = {k: p.grad for k, p in params.items()}
         ref_grads = torch.func.grad(lambda p: ((torch.func.functional_call(ref, p, (x,)) - y) ** 2).mean())(ref_params)
         if step == 2:  # a NaN in the block of "0.weight" rank 1 holds (rows 3-4)
@@ -245,6 +249,10 @@ def main_hsdp() -> None:
             worst = run(name, compile, mesh=mesh, over_replicas=True)
             if dist.get_rank() == 0:
                 print(f"ok over-replicas {name} compile={compile} max_err={worst:.2e}", flush=True)
+    for name, compile in (("adamw+clip+skip", True), ("muon_adamw", False)):
+        worst = run(name, compile, mesh=mesh, over_replicas="mesh")
+        if dist.get_rank() == 0:
+            print(f"ok replicas-apart {name} compile={compile} max_err={worst:.2e}", flush=True)
     for layout in ("fsdp+tp", "tp"):
         for name in TP_CASES:
             for compile in (False, True) if name in TP_COMPILED else (False,):
@@ -306,7 +314,8 @@ def run_tp(name: str, layout: str, compile: bool = False) -> tuple[float, str]:
     worst = 0.0
     for step in range(3):
         x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 1, generator=gen)
-        ((net(x) - y) ** 2).mean().backward()
+        half = slice(4 * mesh.get_local_rank("replicate"), 4 * mesh.get_local_rank("replicate") + 4) if apart else slice(None)
+        ((net(x[half]) - y[half]) ** 2).mean().backward()
         grads = {k: p.grad for k, p in params.items()}
         ref_grads = torch.func.grad(lambda p: ((torch.func.functional_call(ref, p, (x,)) - y) ** 2).mean())(ref_params)
         inputs = {"max_logits": {"attn": torch.tensor([8.0, 3.0])}} if name == "qk_clip" else {}

@@ -63,6 +63,10 @@ def test_sharded_update_on_an_hsdp_mesh_of_four_ranks_equals_one_process_and_kee
         ["muon_adamw", "compile=False"], ["muon_adamw", "compile=True"],
         ["normuon_adamw", "compile=False"], ["muon_split", "compile=False"],
     ], out.stdout
+    # FSDP2 over mesh["shard"] in each replica, each replica on its own half of the batch, the
+    # update given the mesh: it averages the replicas' grads itself (a reduce_scatter).
+    done = [line.split()[2:4] for line in out.stdout.splitlines() if line.startswith("ok replicas-apart ")]
+    assert done == [["adamw+clip+skip", "compile=True"], ["muon_adamw", "compile=False"]], out.stdout
     # Tensor parallelism (FSDP2 over mesh["dp"] beside TP over mesh["tp"]; TP alone beside plain
     # params): torch's own clip_grad_norm_ refuses the mixed meshes. Elementwise math and
     # reductions run on each rank's blocks (the sharded path: weights count each block once),

@@ -49,8 +49,10 @@ class TrainConfig(_Section):  # type: ignore[misc]  # msgspec's frozen Struct, n
     mesh). Every data-parallel rank takes its own part of each batch on all of them.
     Under "hsdp", `shard_state_over_replicas` (on by default) keeps 1/`replicate` of each
     rank's block of the optimizer state (and EMA) per rank: the replicas split the state
-    instead of each holding all of it (`ps.make_update`'s `shard_state_over_replicas`); the
-    first metrics line says the `state_bytes` this rank holds.
+    instead of each holding all of it. FSDP2 then shards within each replica only, and the
+    update averages the replicas' grads (a reduce_scatter) and gathers the params (an
+    all_gather): the bytes across replicas of HSDP's all-reduce (`ps.make_update`'s
+    `shard_state_over_replicas`). The first metrics line says the `state_bytes` this rank holds.
 
     `precision`: "fp32"; "bf16" (alias "bf16-mixed"): float32 params, forward and
     backward under bf16 autocast; "bf16-true": the model's params (and floating buffers

@@ -157,13 +157,36 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
     return []
 
 
-def wrap(model: nn.Module, world: World, *, precision: str = "fp32", local_sgd: bool = False) -> nn.Module:
+_MESHES: dict[tuple, Any] = {}
+
+
+def hsdp_mesh(world: World) -> Any:
+    """HSDP's (replicate, shard) device mesh of `world`, made once."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = (world.replicate, world.size // world.replicate)
+    key = (world.device.type, shape)
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh(world.device.type, shape, mesh_dim_names=("replicate", "shard"))
+    return _MESHES[key]
+
+
+def wrap(
+    model: nn.Module,
+    world: World,
+    *,
+    precision: str = "fp32",
+    local_sgd: bool = False,
+    replicas_apart: bool = False,
+) -> nn.Module:
     """`model` on `world.device` (cast to bf16 for precision "bf16-true"), wrapped for the
     strategy (DDP, or FSDP2 per block then root, over every rank or, for HSDP, over a
     (replicate, shard) mesh; FSDP2 on CUDA casts to bf16 for "bf16"). With tensor
     parallelism the model's `tp_plan(degree)` is applied over the mesh's "tp" dim first
     (for "fsdp+tp", FSDP2 then shards over its "dp" dim). `local_sgd` (DiLoCo's workers,
-    under DDP): no grad all-reduce between workers, so no DDP wrapper."""
+    under DDP): no grad all-reduce between workers, so no DDP wrapper. `replicas_apart`
+    (HSDP): FSDP2 over the mesh's shard dim alone, the replicas' grads left to the update
+    (`ps.make_update`'s `shard_state_over_replicas` given `hsdp_mesh(world)`)."""
     if precision == "bf16-true" and world.strategy in FSDP:
         raise ValueError(
             f"precision='bf16-true' is not supported with strategy='{world.strategy}'; use precision='bf16'"
@@ -185,13 +208,11 @@ def wrap(model: nn.Module, world: World, *, precision: str = "fp32", local_sgd: 
         mesh = init_device_mesh(world.device.type, (world.dp_size, world.tp), mesh_dim_names=("dp", "tp"))
         parallelize_module(model, mesh["tp"], plan(world.tp))
     if world.strategy in FSDP:
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         kwargs: dict[str, Any] = {}
         if world.strategy == "hsdp":
-            shape = (world.replicate, world.size // world.replicate)
-            kwargs["mesh"] = init_device_mesh(world.device.type, shape, mesh_dim_names=("replicate", "shard"))
+            kwargs["mesh"] = hsdp_mesh(world)["shard"] if replicas_apart else hsdp_mesh(world)
         if world.strategy == "fsdp+tp":
             kwargs["mesh"] = mesh["dp"]
         if world.device.type == "cuda" and precision in ("bf16", "bf16-mixed"):

@@ -106,8 +106,10 @@ class Trainer(Loop):
         if is_step_indexed(self.data) and cfg.batch_size % (k * w):
             raise ConfigError("batch_size", f"{cfg.batch_size} rows do not split into {w} rank(s) x {k} micro-batches")
         local_sgd = cfg.diloco.sync_every is not None  # DiLoCo's workers: no grad all-reduce
+        # HSDP with the state over the replicas: FSDP2 within each, the update averages the replicas' grads
+        apart = cfg.strategy == "hsdp" and cfg.shard_state_over_replicas and self.world.replicate > 1
         model = model if model is not None else build_model(cfg.model)
-        self.module = D.wrap(model, self.world, precision=cfg.precision, local_sgd=local_sgd)
+        self.module = D.wrap(model, self.world, precision=cfg.precision, local_sgd=local_sgd, replicas_apart=apart)
         self.model: Any = torch.compile(self.module) if cfg.compile else self.module
         self.named = dict(D.unwrap(self.module).named_parameters())
         # Detached aliases that a compiled, donated update re-points into its flat buffers
@@ -125,15 +127,13 @@ class Trainer(Loop):
         # rank's shards (ps.make_update's sharded path), in place in FSDP2's own storage.
         # metrics=True: the grad norm (before any clipping) and the lr come back from the update
         # itself, computed in its own pass (over FSDP2 shards, of the whole grads).
-        # HSDP: each replica keeps its share of the state (`shard_state_over_replicas`).
-        over_replicas = cfg.strategy == "hsdp" and cfg.shard_state_over_replicas and self.world.replicate > 1
         self.update = ps.make_update(
             self.transform,
             compile=cfg.compile,
             donate=True,
             ema=ema,
             metrics=True,
-            shard_state_over_replicas=over_replicas,
+            shard_state_over_replicas=D.hsdp_mesh(self.world) if apart else False,
         )
         self.opt_state = self.transform.init(params)
         self.update_metrics: dict[str, Tensor] = {}  # the last update's (device tensors)

@@ -4,7 +4,8 @@ Errors a user can fix (a bad config field, a missing file, a corrupted checkpoin
 directory that holds another run) print one line naming the field or file and exit 2.
 Run it data-parallel with `torchrun --nproc_per_node=N $(which purestep) ... --set strategy=fsdp` (or
 `--set strategy=hsdp --set replicate=R`: FSDP2 inside R replica groups; `--set strategy=tp`: tensor
-parallelism over every rank; `--set strategy=fsdp+tp --set tp=T`: TP within groups of T, FSDP2 over them).
+parallelism over every rank; `--set strategy=fsdp+tp --set tp=T`: TP within groups of T, FSDP2 over them;
+`--set strategy=hsdp+tp --set tp=T --set replicate=R`: TP within groups of T, HSDP over them).
 """
 
 from __future__ import annotations

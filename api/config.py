@@ -46,7 +46,9 @@ class TrainConfig(_Section):  # type: ignore[misc]  # msgspec's frozen Struct, n
     the built-in GPT's torchtitan plan, splits each block's projections by heads and
     hidden units; every rank sees the whole batch) or "fsdp+tp" (tensor parallelism within
     groups of `tp` ranks, 0: one group per node, and FSDP2 over the groups: a (dp, tp)
-    mesh). Every data-parallel rank takes its own part of each batch on all of them.
+    mesh) or "hsdp+tp" (tensor parallelism within groups of `tp` ranks and HSDP over the
+    groups, `replicate` replicas of them: a (replicate, shard, tp) mesh). Every
+    data-parallel rank takes its own part of each batch on all of them.
     Under "hsdp", `shard_state_over_replicas` (on by default) keeps 1/`replicate` of each
     rank's block of the optimizer state (and EMA) per rank: the replicas split the state
     instead of each holding all of it. FSDP2 then shards within each replica only, and the
@@ -90,7 +92,7 @@ class TrainConfig(_Section):  # type: ignore[misc]  # msgspec's frozen Struct, n
     log_every: PositiveInt = 10
     eval_every: NonNegativeInt = 0
     time_budget: Union[Annotated[float, Meta(gt=0)], None] = None
-    strategy: Literal["single", "ddp", "fsdp", "hsdp", "tp", "fsdp+tp"] = "single"
+    strategy: Literal["single", "ddp", "fsdp", "hsdp", "tp", "fsdp+tp", "hsdp+tp"] = "single"
     replicate: NonNegativeInt = 0
     shard_state_over_replicas: bool = True
     tp: NonNegativeInt = 0
@@ -116,7 +118,7 @@ class TrainConfig(_Section):  # type: ignore[misc]  # msgspec's frozen Struct, n
             )
         if self.precision == "fp16":
             raise ConfigError("precision", "'fp16' needs loss scaling, which the Trainer does not run; use 'bf16'")
-        if self.precision == "bf16-true" and self.strategy in ("fsdp", "hsdp", "fsdp+tp"):
+        if self.precision == "bf16-true" and self.strategy in ("fsdp", "hsdp", "fsdp+tp", "hsdp+tp"):
             raise ConfigError(
                 "precision",
                 f"'bf16-true' is not supported with strategy='{self.strategy}' (FSDP2 keeps "
@@ -137,19 +139,19 @@ class TrainConfig(_Section):  # type: ignore[misc]  # msgspec's frozen Struct, n
                 f"{d.delay} is not below sync_every / fragments = {d.sync_every // d.fragments} (a fragment's "
                 "outer step must land before the next fragment's sync)",
             )
-        if self.replicate and self.strategy != "hsdp":
+        if self.replicate and self.strategy not in ("hsdp", "hsdp+tp"):
             raise ConfigError(
                 "replicate",
                 f"{self.replicate} replicas asked for, but strategy='{self.strategy}'; "
-                "the replicate degree is HSDP's (strategy='hsdp')",
+                "the replicate degree is HSDP's (strategy='hsdp' or 'hsdp+tp')",
             )
-        if self.tp and self.strategy not in ("tp", "fsdp+tp"):
+        if self.tp and self.strategy not in ("tp", "fsdp+tp", "hsdp+tp"):
             raise ConfigError(
                 "tp",
                 f"a tensor-parallel degree of {self.tp} asked for, but strategy='{self.strategy}'; "
-                "set strategy='tp' or 'fsdp+tp'",
+                "set strategy='tp', 'fsdp+tp' or 'hsdp+tp'",
             )
-        if self.strategy in ("tp", "fsdp+tp") and self.optimizer.qk_clip is not None:
+        if self.strategy in ("tp", "fsdp+tp", "hsdp+tp") and self.optimizer.qk_clip is not None:
             raise ConfigError(
                 "optimizer.qk_clip",
                 f"QK-clip reads every head's max logit, but strategy='{self.strategy}' splits the heads over "

@@ -25,9 +25,9 @@ from purestep.core.engine.dtensor import full_tree as full_tree  # the one set o
 from purestep.core.engine.dtensor import is_dtensor as is_dtensor
 from purestep.core.engine.dtensor import local as local
 
-STRATEGIES = ("single", "ddp", "fsdp", "hsdp", "tp", "fsdp+tp")
-TP = ("tp", "fsdp+tp")  # the strategies with tensor parallelism
-FSDP = ("fsdp", "hsdp", "fsdp+tp")  # the strategies whose params FSDP2 shards
+STRATEGIES = ("single", "ddp", "fsdp", "hsdp", "tp", "fsdp+tp", "hsdp+tp")
+TP = ("tp", "fsdp+tp", "hsdp+tp")  # the strategies with tensor parallelism
+FSDP = ("fsdp", "hsdp", "fsdp+tp", "hsdp+tp")  # the strategies whose params FSDP2 shards
 
 
 @dataclass(frozen=True)
@@ -66,28 +66,18 @@ def setup(strategy: str = "single", device: str | None = None, *, replicate: int
 
     On CUDA each process of a node takes the GPU of its `LOCAL_RANK`; a launch with more
     processes per node than the node has GPUs fails here, in one line naming both counts.
-    `replicate`: HSDP's replicate degree (0: one replica per node); it must divide the ranks.
-    `tp`: the tensor-parallel degree of "fsdp+tp" (0: the ranks of a node) and "tp" (0 or
-    every rank); it must divide the ranks.
+    `replicate`: HSDP's replicate degree (0: one replica per node); it must divide the ranks
+    (under "hsdp+tp", the ranks / `tp`).
+    `tp`: the tensor-parallel degree of "fsdp+tp" and "hsdp+tp" (0: the ranks of a node) and
+    "tp" (0 or every rank); it must divide the ranks.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if strategy == "hsdp":
-        nodes = max(1, size // int(os.environ.get("LOCAL_WORLD_SIZE", str(size))))
-        replicate = replicate or nodes
-        if size % replicate:
-            raise ValueError(
-                f"strategy='hsdp': replicate={replicate} does not divide the {size} ranks; "
-                f"pick a divisor of {size} (replicas x shards = ranks)"
-            )
-    elif replicate:
-        raise ValueError(f"replicate={replicate} is HSDP's degree; strategy is {strategy!r}")
-    replicas = replicate if strategy == "hsdp" else 1
     if strategy in TP:
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", str(size)))
-        tp = tp or (per_node if strategy == "fsdp+tp" else size)
+        tp = tp or (size if strategy == "tp" else per_node)
         if size % tp:
             raise ValueError(
                 f"strategy='{strategy}': tp={tp} does not divide the {size} ranks; pick a divisor of {size} (dp x tp = ranks)"
@@ -99,6 +89,19 @@ def setup(strategy: str = "single", device: str | None = None, *, replicate: int
             )
     elif tp:
         raise ValueError(f"tp={tp} is tensor parallelism's degree; strategy is {strategy!r}")
+    if strategy in ("hsdp", "hsdp+tp"):
+        groups = size // (tp or 1)  # the data-parallel ranks: replicas x shards
+        nodes = max(1, size // int(os.environ.get("LOCAL_WORLD_SIZE", str(size))))
+        replicate = replicate or min(nodes, groups)
+        if groups % replicate:
+            over = f"the {groups} data-parallel ranks ({size} ranks / tp={tp})" if strategy == "hsdp+tp" else f"the {size} ranks"
+            raise ValueError(
+                f"strategy='{strategy}': replicate={replicate} does not divide {over}; "
+                f"pick a divisor of {groups} (replicas x shards = {groups})"
+            )
+    elif replicate:
+        raise ValueError(f"replicate={replicate} is HSDP's degree; strategy is {strategy!r}")
+    replicas = replicate if strategy in ("hsdp", "hsdp+tp") else 1
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
@@ -183,7 +186,8 @@ def wrap(
     strategy (DDP, or FSDP2 per block then root, over every rank or, for HSDP, over a
     (replicate, shard) mesh; FSDP2 on CUDA casts to bf16 for "bf16"). With tensor
     parallelism the model's `tp_plan(degree)` is applied over the mesh's "tp" dim first
-    (for "fsdp+tp", FSDP2 then shards over its "dp" dim). `local_sgd` (DiLoCo's workers,
+    (for "fsdp+tp", FSDP2 then shards over its "dp" dim; for "hsdp+tp", HSDP over its
+    (replicate, shard) dims). `local_sgd` (DiLoCo's workers,
     under DDP): no grad all-reduce between workers, so no DDP wrapper. `replicas_apart`
     (HSDP): FSDP2 over the mesh's shard dim alone, the replicas' grads left to the update
     (`ps.make_update`'s `shard_state_over_replicas` given `hsdp_mesh(world)`)."""
@@ -205,7 +209,11 @@ def wrap(
                 f"strategy='{world.strategy}' needs a model with a tp_plan(degree) method giving its tensor-parallel "
                 f"plan (the built-in GPT has one); {type(model).__name__} has none"
             )
-        mesh = init_device_mesh(world.device.type, (world.dp_size, world.tp), mesh_dim_names=("dp", "tp"))
+        if world.strategy == "hsdp+tp":  # (replicate, shard, tp): FSDP2 over the first two, HSDP
+            shape = (world.replicate, world.dp_size // world.replicate, world.tp)
+            mesh = init_device_mesh(world.device.type, shape, mesh_dim_names=("replicate", "shard", "tp"))
+        else:
+            mesh = init_device_mesh(world.device.type, (world.dp_size, world.tp), mesh_dim_names=("dp", "tp"))
         parallelize_module(model, mesh["tp"], plan(world.tp))
     if world.strategy in FSDP:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -215,6 +223,8 @@ def wrap(
             kwargs["mesh"] = hsdp_mesh(world)["shard"] if replicas_apart else hsdp_mesh(world)
         if world.strategy == "fsdp+tp":
             kwargs["mesh"] = mesh["dp"]
+        if world.strategy == "hsdp+tp":
+            kwargs["mesh"] = mesh["replicate", "shard"]
         if world.device.type == "cuda" and precision in ("bf16", "bf16-mixed"):
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in blocks_of(model):

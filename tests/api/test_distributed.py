@@ -125,12 +125,12 @@ def test_hsdp_on_four_ranks_matches_one_process_and_resumes_on_fsdp_and_on_one_p
     resumes_like_one_process(tmp_path, "hsdp", "fsdp2", "fsdp")
 
 
-def test_tensor_parallel_on_four_ranks_matches_one_process_and_resumes_across_meshes(tmp_path, same_device_as_the_ranks):
+def test_tensor_parallel_on_four_and_eight_ranks_matches_one_process_and_resumes_across_meshes(tmp_path, same_device_as_the_ranks):
     """strategy="fsdp+tp" on a (dp 2, tp 2) mesh: the GPT's torchtitan plan splits q, k, v, gate
     and up by columns (heads, hidden units) and proj and down by rows over each TP pair, FSDP2
     shards over the pairs, each pair reads its own rows of the batch. Equal to one process (a
     NaN step skipped by every rank); its checkpoint resumes under TP alone on 2 ranks and in one
-    plain process."""
+    plain process. strategy="hsdp+tp" on 8 ranks (replicate 2, shard 2, tp 2) equals it too."""
     out = torchrun(str(tmp_path / "fsdp_tp"), "fsdp+tp", "8", "--nan-at", "5", "--set", "tp=2", "--set", "eval_every=4", nproc=4)
     assert out.stderr.count("step 6: skip_nonfinite") == 4, out.stderr[-3000:]
     assert "path sharded" in out.stdout, out.stdout  # muon_adamw on TP blocks: owner-computes over row x column blocks
@@ -149,6 +149,18 @@ def test_tensor_parallel_on_four_ranks_matches_one_process_and_resumes_across_me
     # each row counted once, not once per TP rank
     assert saved.manifest.metadata["trainer"]["tokens"] == load_checkpoint(
         tmp_path / "single" / "checkpoints" / "step_00000008").manifest.metadata["trainer"]["tokens"] > 0
+    # HSDP beside TP on 8 ranks, a (replicate 2, shard 2, tp 2) mesh: TP within pairs, HSDP over them.
+    out = torchrun(str(tmp_path / "hsdp_tp"), "hsdp+tp", "8", "--nan-at", "5", "--set", "tp=2", "--set", "replicate=2",
+                   "--set", "eval_every=4", nproc=8)
+    assert out.stderr.count("step 6: skip_nonfinite") == 8, out.stderr[-3000:]
+    assert "path sharded" in out.stdout and "blocks over 8 ranks" in out.stdout, out.stdout
+    three = load_checkpoint(tmp_path / "hsdp_tp" / "checkpoints" / "step_00000008")
+    assert three.manifest.world_size == 8
+    for k, p in ref.named.items():
+        torch.testing.assert_close(three.params[k], p.detach(), rtol=1e-3, atol=1e-5)
+    logged = [json.loads(line) for line in (tmp_path / "hsdp_tp" / "metrics.jsonl").read_text().splitlines()]
+    assert losses(logged) == pytest.approx(losses(ref_logged), rel=1e-4)
+    assert val(logged) == pytest.approx(val(ref_logged), rel=1e-4)
     resumes_like_one_process(tmp_path, "fsdp_tp", "tp", "tp")
 
 
@@ -164,6 +176,10 @@ def test_tensor_parallel_degrees_and_options_that_do_not_fit_fail_in_one_line(mo
         D.setup("tp", "cpu", tp=2)
     with pytest.raises(ValueError, match="tp=2 is tensor parallelism's degree"):
         D.setup("fsdp", "cpu", tp=2)
+    with pytest.raises(ValueError, match=r"replicate=3 does not divide the 2 data-parallel ranks \(4 ranks / tp=2\)"):
+        D.setup("hsdp+tp", "cpu", tp=2, replicate=3)
+    with pytest.raises(ValueError, match="strategy='hsdp\\+tp': tp=3 does not divide the 4 ranks"):
+        D.setup("hsdp+tp", "cpu", tp=3)
     with pytest.raises(ValueError, match="model.n_heads=4 heads"):
         GPT(dim=32, n_heads=4, n_layers=1).tp_plan(3)
     for overrides, field in ((["strategy=fsdp", "tp=2"], "tp"), (["strategy=tp", "optimizer.qk_clip=50"], "optimizer.qk_clip"),

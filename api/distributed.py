@@ -94,7 +94,11 @@ def setup(strategy: str = "single", device: str | None = None, *, replicate: int
         nodes = max(1, size // int(os.environ.get("LOCAL_WORLD_SIZE", str(size))))
         replicate = replicate or min(nodes, groups)
         if groups % replicate:
-            over = f"the {groups} data-parallel ranks ({size} ranks / tp={tp})" if strategy == "hsdp+tp" else f"the {size} ranks"
+            over = (
+                f"the {groups} data-parallel ranks ({size} ranks / tp={tp})"
+                if strategy == "hsdp+tp"
+                else f"the {size} ranks"
+            )
             raise ValueError(
                 f"strategy='{strategy}': replicate={replicate} does not divide {over}; "
                 f"pick a divisor of {groups} (replicas x shards = {groups})"

@@ -83,7 +83,9 @@ class DiLoCoConfig(_Section):  # type: ignore[misc]  # msgspec's frozen Struct, 
     `sync_every` is set: every `sync_every` steps the workers average their pseudo-gradients
     and the anchor takes an outer SGD step (`outer_lr`, Nesterov momentum `outer_momentum`;
     0: none). The workers are the ranks under `strategy = "ddp"` (no grad all-reduce: each
-    rank trains on its own rows, and the sync is the only traffic between them); under
+    rank trains on its own rows, and the sync is the only traffic between them), the
+    replica groups under `"hsdp"` (FSDP2 within each replica, no all-reduce across them: the
+    sync is the only traffic across replicas; each worker keeps its own whole state); under
     `"single"` the one process is one worker (MuLoCo's single-worker recipe). Streaming
     DiLoCo: `fragments` runs of the params synced in turn, each `delay` steps after its
     pseudo-gradient was averaged, the synced params `alpha` local (`ps.diloco`'s meanings).

@@ -124,11 +124,11 @@ class TrainConfig(_Section):  # type: ignore[misc]  # msgspec's frozen Struct, n
                 f"'bf16-true' is not supported with strategy='{self.strategy}' (FSDP2 keeps "
                 "float32 sharded params and casts them to bf16 for compute itself); use precision='bf16'",
             )
-        if self.diloco.sync_every is not None and self.strategy not in ("single", "ddp"):
+        if self.diloco.sync_every is not None and self.strategy not in ("single", "ddp", "hsdp"):
             raise ConfigError(
                 "diloco.sync_every",
-                f"DiLoCo's workers are the ranks of strategy='ddp' (or the one process of 'single'); "
-                f"strategy='{self.strategy}' is not built for it",
+                f"DiLoCo's workers are the ranks of strategy='ddp', the replicas of 'hsdp' (or the one process "
+                f"of 'single'); strategy='{self.strategy}' is not built for it",
             )
         d = self.diloco
         if d.sync_every is not None and d.sync_every % d.fragments:

@@ -191,10 +191,10 @@ def wrap(
     (replicate, shard) mesh; FSDP2 on CUDA casts to bf16 for "bf16"). With tensor
     parallelism the model's `tp_plan(degree)` is applied over the mesh's "tp" dim first
     (for "fsdp+tp", FSDP2 then shards over its "dp" dim; for "hsdp+tp", HSDP over its
-    (replicate, shard) dims). `local_sgd` (DiLoCo's workers,
-    under DDP): no grad all-reduce between workers, so no DDP wrapper. `replicas_apart`
-    (HSDP): FSDP2 over the mesh's shard dim alone, the replicas' grads left to the update
-    (`ps.make_update`'s `shard_state_over_replicas` given `hsdp_mesh(world)`)."""
+    (replicate, shard) dims). `local_sgd` (DiLoCo's workers, under DDP): no grad
+    all-reduce between workers, so no DDP wrapper. `replicas_apart` (HSDP): FSDP2 over the
+    mesh's shard dim alone, the replicas' grads left to the update (`ps.make_update`'s
+    `shard_state_over_replicas` given `hsdp_mesh(world)`, or DiLoCo's sync)."""
     if precision == "bf16-true" and world.strategy in FSDP:
         raise ValueError(
             f"precision='bf16-true' is not supported with strategy='{world.strategy}'; use precision='bf16'"
@@ -237,32 +237,44 @@ def wrap(
     return model
 
 
+def _workers(world: World) -> tuple[Any, int] | None:
+    """DiLoCo's workers: (their process group, their number), None for one. Under DDP every
+    rank is one; under HSDP every replica (its ranks' blocks meet their peers' in the other
+    replicas: the replicate dim's group)."""
+    if world.strategy == "hsdp" and world.replicate > 1:
+        return hsdp_mesh(world).get_group("replicate"), world.replicate
+    if world.strategy == "ddp" and world.size > 1:
+        return dist.group.WORLD, world.size
+    return None
+
+
 def worker_mean(world: World) -> Callable[[Any], Any] | None:
-    """DiLoCo's `reduce` under DDP: the mean of a tree over every rank, one all_reduce per
+    """DiLoCo's `reduce`: the mean of a tree over the workers (`_workers`), one all_reduce per
     leaf (functional collectives: they trace into a compiled step); None for one worker."""
-    if not world.distributed or world.size == 1:
+    workers = _workers(world)
+    if workers is None:
         return None
+    group, n = workers
 
     def reduce(tree: Any) -> Any:
         import torch.distributed._functional_collectives as fc
 
-        return pytree.tree_map(
-            lambda x: fc.wait_tensor(fc.all_reduce(x, "sum", cast(Any, dist.group.WORLD))) / world.size, tree
-        )
+        return pytree.tree_map(lambda x: fc.wait_tensor(fc.all_reduce(x, "sum", cast(Any, group))) / n, tree)
 
     return reduce
 
 
 def worker_gather(world: World) -> Callable[[Any], Any] | None:
-    """DiLoCo's `gather` under DDP (SparseLoCo's exchange): every rank's leaves stacked on a
-    new leading dim, one all_gather per leaf; None for one worker."""
-    if not world.distributed or world.size == 1:
+    """DiLoCo's `gather` (SparseLoCo's exchange): every worker's leaves stacked on a new
+    leading dim, one all_gather per leaf; None for one worker."""
+    workers = _workers(world)
+    if workers is None:
         return None
+    group = cast(Any, workers[0])
 
     def gather(tree: Any) -> Any:
         import torch.distributed._functional_collectives as fc
 
-        group = cast(Any, dist.group.WORLD)
         return pytree.tree_map(lambda x: fc.wait_tensor(fc.all_gather_tensor(x.unsqueeze(0), 0, group)), tree)
 
     return gather

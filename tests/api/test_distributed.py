@@ -224,15 +224,18 @@ DILOCO_SGD = [
 ]
 
 
-def test_diloco_under_ddp_makes_each_rank_a_worker_and_syncing_every_step_is_ddp(tmp_path, same_device_as_the_ranks):
+def test_diloco_under_ddp_and_hsdp_makes_ranks_or_replicas_workers_and_syncing_every_step_is_ddp(tmp_path, same_device_as_the_ranks):
     """`[diloco]` under DDP: no grad all-reduce, each rank a worker on its own rows, the
     pseudo-gradients averaged at each sync. With plain SGD inside, an outer SGD of lr 1 and
     no momentum, and a sync every step, the average of the workers' SGD steps from one point
-    is DDP's step: the run must end on the one-process params (the check fails if the ranks
-    still all-reduced their grads, as the step would then be taken twice, or never averaged).
+    is DDP's step: the run must end on the one-process params (the check fails if the workers'
+    pseudo-gradients were never averaged; that no grad all-reduce runs between syncs is the
+    path's to show: eager in place on plain tensors, no DDP wrapper).
     The exchange is SparseLoCo's all-gather, keeping every entry unquantized: the mean is the
     same one (the plain all_reduce mean is the same pattern, checked on one rank in
-    tests/core/test_diloco.py)."""
+    tests/core/test_diloco.py). Under HSDP (2 replicas x 2 shards) each replica is a worker:
+    FSDP2 averages within it, the plain all_reduce mean across the replicas at the sync, and the
+    same end must come out."""
     exchange = ["diloco.compression=sparseloco", "diloco.density=1", "diloco.bits=none"]
     diloco = ["diloco.sync_every=1", "diloco.outer_lr=1", "diloco.outer_momentum=0", *exchange]
     sets = [f"--set={o}" for o in [*DILOCO_SGD, *diloco]]
@@ -248,6 +251,13 @@ def test_diloco_under_ddp_makes_each_rank_a_worker_and_syncing_every_step_is_ddp
         torch.testing.assert_close(got.opt_state[f"anchor.{k}"], p.detach(), rtol=1e-4, atol=1e-6)
         moved = max(moved, (p.detach() - start.named[k].detach()).abs().max().item())
     assert moved > 1e-3
+    sets = [f"--set={o}" for o in [*DILOCO_SGD, *diloco[:3], "replicate=2"]]
+    out = torchrun(str(tmp_path / "diloco_hsdp"), "hsdp", "4", *sets, nproc=4)
+    assert "path sharded" in out.stdout and "FSDP over 2 rank(s)" in out.stdout, out.stdout[-2000:]
+    got = load_checkpoint(tmp_path / "diloco_hsdp" / "checkpoints" / "step_00000004")
+    for k, p in ref.named.items():
+        torch.testing.assert_close(got.params[k], p.detach(), rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(got.opt_state[f"anchor.{k}"], p.detach(), rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -56,13 +56,16 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
 def _row_zeros(p: Any, lead: int) -> Tensor:
     """Zeros, one per row of each matrix of `p` (`lead` leading dims index the matrices:
     (k, rows) for a stack of k), in the normalization's dtype; for an FSDP2 param (a
-    DTensor sharded on dim 0) sharded the same way, so that each rank keeps its rows."""
+    DTensor sharded on its rows or matrices, FSDP's strided rows over TP's included) sharded
+    the same way, so that each rank keeps its rows; a split of the columns (TP's rowwise
+    weights) is not one of v's: each rank holds all rows there."""
     shape, dtype = p.shape[: 1 + lead], _wide(p.dtype)
     if not is_dtensor(p):
         return torch.zeros(shape, dtype=dtype, device=p.device)
     from torch.distributed.tensor import Replicate, Shard, zeros
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-    rows = [q if isinstance(q, Shard) and q.dim == 0 else Replicate() for q in p.placements]
+    rows = [q if isinstance(q, (Shard, _StridedShard)) and q.dim <= lead else Replicate() for q in p.placements]
     return zeros(shape, dtype=dtype, device_mesh=p.device_mesh, placements=rows)
 
 
@@ -147,10 +150,16 @@ def scale_by_normuon(
         # each rank normalizes its rows and `leaf_norms` sums the squares across ranks.
         shapes = lay.global_shapes(grads)  # the whole matrix (a stack's member)
         orth, normed, new_nu = [], [], []
-        for o, v, b in zip(lay.map_matrices(grads, orthogonal, src, batch_dims=batch), nu, lead):
+        os_ = lay.map_matrices(grads, orthogonal, src, batch_dims=batch)
+        # Σ_cols O² per row of each whole matrix (a row split over TP ranks: summed across them)
+        row_sq = lay.row_sums(grads, [o.to(_wide(o.dtype)).square() for o in os_], lead)
+        for o, v, b, sq, full in zip(os_, nu, lead, row_sq, shapes):
             n, rows, cols = math.prod(o.shape[:b]), o.shape[b], math.prod(o.shape[b + 1 :])
             o2 = o.reshape(n, rows, cols).to(_wide(o.dtype))  # a stack's (or batch's) matrices, or one
-            v = v.reshape(n, rows) * b2 + o2.square().mean(dim=2) * (1.0 - b2)  # v ← β₂·v + (1-β₂)·mean_cols(O²)
+            whole_cols = math.prod(full[b - (len(o.shape) - len(full)) + 1 :])  # the whole matrix's columns
+            v = v.reshape(n, rows) * b2 + sq.reshape(n, rows) / whole_cols * (
+                1.0 - b2
+            )  # v ← β₂·v + (1-β₂)·mean_cols(O²)
             normed.append((o2 / (v.sqrt() + eps).unsqueeze(2)).reshape(o.shape))  # Ô = O / (√v + ε), per row
             if adjust_lr == "original":
                 orth.append(o2.reshape(o.shape))  # O's norm, kept by the authors' code
@@ -185,7 +194,7 @@ def scale_by_normuon(
         whole_leaves=True,
         rules=rules,
         per_row_state=True,
-        reductions=("map_matrices", "leaf_norms"),
+        reductions=("map_matrices", "leaf_norms", "row_sums"),
         flat=lp.unpackable(mu_dtype),
     )
     return with_needs(Transform(init, update), needs)

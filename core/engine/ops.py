@@ -13,6 +13,9 @@ elementwise then calls these and never looks at the layout itself:
 - `global_norm`, `all_finite`, `global_sums`, `leaf_norms`, `leaf_sums`: reductions over
   the tree, computed on what this process holds and then, over shards, summed across
   ranks: one batched collective per call, whatever the number of tensors;
+- `row_sums(tree, xs, lead)`: per leaf, the sums over each row of whole matrices (NorMuon's
+  per-row statistics); a row split over ranks (a tensor-parallel column block) is summed
+  across them in one collective;
 - `map_matrices(tree, fn, xs)`: `fn` on whole matrices. Over shards, each matrix is
   assembled on one owner rank (all-to-all), `fn` runs there once, and each rank gets its
   rows of the result back.
@@ -214,6 +217,18 @@ def leaf_sums(tree: Any, xs: Sequence[Tensor]) -> list[Tensor]:
         out.append(total[at : at + k].reshape((k,) + (1,) * (x.dim() - 1)) if s else total[at].reshape(()))
         at += k
     return out
+
+
+def row_sums(tree: Any, xs: Sequence[Tensor], lead: Sequence[int]) -> list[Tensor]:
+    """Per leaf, x summed over the dims after its row dim (`lead[i]`: the dims before it, a
+    stack's and batch dims), shaped `x.shape[: lead + 1]`. Over shards, the sums of whole
+    rows: a row split over ranks (TP's column blocks) is summed across them, all leaves in
+    one collective; row blocks (FSDP2, HSDP) hold whole rows and need none."""
+    local = [torch.sum(x, dim=tuple(range(b + 1, x.dim()))) for x, b in zip(xs, lead)]
+    shard = _shard(tree)
+    if shard is None or not local:
+        return local
+    return shard.row_sums(tree.pack_spec, local, list(lead))
 
 
 def map_matrices(

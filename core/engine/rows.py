@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from .dtensor import is_dtensor
+from .packed import PackSpec
 from .placement import Placement, exchange
 
 
@@ -218,6 +219,9 @@ class RowShards(Placement):
 
     def declines(self, reductions: set[str], per_row_state: bool) -> str | None:
         return None  # a row block holds whole rows: per-row statistics and owner-computes both run
+
+    def row_sums(self, spec: PackSpec, partials: list[Tensor], lead: list[int]) -> list[Tensor]:
+        return partials  # whole rows on every rank: their sums are local
 
     def describe(self) -> str:
         if self.nested is not None:

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from .. import _compat as compat
 from .dtensor import is_dtensor
+from .packed import PackSpec
 from .placement import Placement, exchange
 
 
@@ -48,13 +49,41 @@ class TPBlocks(Placement):
         return (("copies", self.copies[index]),)
 
     def declines(self, reductions: set[str], per_row_state: bool) -> str | None:
-        """Per-row statistics (NorMuon: a row may be split over ranks) are not built, and
-        whole-matrix math needs every leaf's blocks to tile it (`untiled`)."""
-        if per_row_state:
-            return "per-row statistics over tensor-parallel blocks (a row split over ranks) are not built: whole DTensors run them"
-        if "map_matrices" in reductions:
+        """Per-row statistics must be taken with `ops.row_sums` (a row may be split over
+        ranks), and whole-matrix math needs every leaf's blocks to tile it (`untiled`)."""
+        if per_row_state and "row_sums" not in reductions:
+            return "per-row statistics not taken with ops.row_sums (a row split over tensor-parallel ranks)"
+        if "map_matrices" in reductions or "row_sums" in reductions:
             return self.untiled()
         return None
+
+    def row_sums(self, spec: PackSpec, partials: list[Tensor], lead: list[int]) -> list[Tensor]:
+        """Each member's local row sums placed at its block's rows in a zero grid of every
+        leaf's whole (batch..., rows), counted once (copies weigh 0), one all_reduce over
+        every rank, and this rank's rows read back."""
+        places = []  # (member's partial, its slices in its grid, the grid's offset and shape)
+        at = 0
+        for g, part, b in zip(spec.groups, partials, lead):
+            dims = b - int(g.is_stack) + 1  # a member's dims up to its row dim
+            for m, x in zip(g.members, part.unbind(0) if g.is_stack else [part]):
+                grid = tuple(self.shapes[m.index][:dims])
+                box = self.boxes.of(m.index)[self.rank]
+                where = tuple(slice(o, o + n) for o, n in zip(box[0][:dims], box[1][:dims]))
+                places.append((x, where, at, grid, self.weights[m.index]))
+                at += math.prod(grid)
+        first = partials[0]
+        total = first.new_zeros(at)
+        for x, where, offset, grid, weight in places:
+            if weight:
+                total[offset : offset + math.prod(grid)].view(grid)[where] = x
+        total = self.all_reduce(total)
+        out, k = [], 0
+        for g, part in zip(spec.groups, partials):
+            n = len(g.members)
+            mine = [total[o : o + math.prod(grid)].view(grid)[where] for _, where, o, grid, _ in places[k : k + n]]
+            out.append(torch.stack(mine) if g.is_stack else mine[0])
+            k += n
+        return out
 
     def describe(self) -> str:
         return (

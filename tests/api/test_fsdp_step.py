@@ -70,17 +70,18 @@ def test_sharded_update_on_an_hsdp_mesh_of_four_ranks_equals_one_process_and_kee
     # Tensor parallelism (FSDP2 over mesh["dp"] beside TP over mesh["tp"]; TP alone beside plain
     # params): torch's own clip_grad_norm_ refuses the mixed meshes. Elementwise math and
     # reductions run on each rank's blocks (the sharded path: weights count each block once),
-    # Muon's matrices assembled at their owners from row x column blocks; NorMuon's per-row
-    # statistics, QK-clip's rows and Kron's factors on whole DTensors.
+    # Muon's matrices assembled at their owners from row x column blocks, NorMuon's per-row
+    # statistics summed over a row's column blocks (ops.row_sums, one collective); QK-clip's
+    # rows and Kron's factors on whole DTensors.
     lines = [line.split() for line in out.stdout.splitlines() if line.startswith(("ok fsdp+tp ", "ok tp "))]
     want = [
         (layout, name, f"compile={c}")
         for layout in ("fsdp+tp", "tp")
         for name in ("adamw+clip+skip", "muon_adamw", "normuon_adamw", "lamb", "qk_clip", "kron")
-        for c in ((False, True) if name in ("adamw+clip+skip", "muon_adamw") else (False,))
+        for c in ((False, True) if name in ("adamw+clip+skip", "muon_adamw", "normuon_adamw") else (False,))
     ]
     assert [tuple(line[1:4]) for line in lines] == want, out.stdout
-    on_blocks = {"adamw+clip+skip", "muon_adamw", "lamb"}
+    on_blocks = {"adamw+clip+skip", "muon_adamw", "normuon_adamw", "lamb"}
     for line in lines:
         path = "path='sharded'" if line[2] in on_blocks else "path='per-leaf"
         assert line[5].startswith(path), line

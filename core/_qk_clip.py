@@ -34,8 +34,14 @@ class QKHeads(NamedTuple):
     k_rows: tuple[int, int] | None = None
 
 
-def _rows(spec: tuple[int, int] | None, leaf: Any) -> tuple[int, int]:
-    return (0, leaf.shape[0]) if spec is None else (int(spec[0]), int(spec[1]))
+def _rows(spec: tuple[int, int] | None, rows: int) -> tuple[int, int]:
+    return (0, rows) if spec is None else (int(spec[0]), int(spec[1]))
+
+
+def _repeat(x: Tensor, k: int) -> Tensor:
+    """Each entry of `x` k times in a row (`repeat_interleave` without its index tensor, which
+    would be made on the default device)."""
+    return x.unsqueeze(1).expand(-1, k).reshape(-1)
 
 
 def _check(attention: Mapping[str, QKHeads], tree: Any) -> dict[str, Any]:
@@ -51,7 +57,7 @@ def _check(attention: Mapping[str, QKHeads], tree: Any) -> dict[str, Any]:
             if path not in leaves:
                 raise ValueError(f"qk_clip attention '{name}': {which}='{path}' is not a param path")
             leaf = leaves[path]
-            lo, hi = _rows(rows, leaf)
+            lo, hi = _rows(rows, leaf.shape[0] if leaf.dim() else 0)
             if leaf.dim() < 1 or not 0 <= lo < hi <= leaf.shape[0] or (hi - lo) % n:
                 raise ValueError(
                     f"qk_clip attention '{name}': rows {(lo, hi)} of '{path}' (shape {tuple(leaf.shape)}) do not "
@@ -116,11 +122,13 @@ def qk_clip(threshold: float, attention: Mapping[str, QKHeads]) -> Transform:
         ps_ = tr.check_match(params, updates, "params", "updates", dtype=False)
         paths = lay.per_leaf(updates, named)  # one per leaf (or buffer): its path when rescaled
         at = {p: i for i, p in enumerate(paths) if p is not None}
-        scale: dict[int, Tensor] = {}  # leaf index -> its rows' factors
+        held = lay.held_rows(updates)  # the whole leaf's rows this process holds (over shards: its block's)
+        scale: dict[int, Tensor] = {}  # leaf index -> its whole rows' factors
         for name, a in attention.items():
             if name not in max_logits:
                 raise ValueError(f"qk_clip: max_logits has no entry for attention '{name}'")
-            s = torch.as_tensor(max_logits[name]).to(torch.float64).reshape(-1)  # per-step scalars in float64
+            # per-step scalars in float64, on the params' device (not the default one)
+            s = torch.as_tensor(max_logits[name], device=ps_[at[a.q]].device).to(torch.float64).reshape(-1)
             if s.numel() != a.heads:
                 raise ValueError(f"qk_clip: max_logits['{name}'] has {s.numel()} values for {a.heads} heads")
             kv = a.kv_heads if a.kv_heads is not None else a.heads
@@ -128,24 +136,26 @@ def qk_clip(threshold: float, attention: Mapping[str, QKHeads]) -> Transform:
             gamma = torch.where((s > tau) & torch.isfinite(s), tau / s.clamp(min=tau), torch.ones_like(s))
             shared = gamma.view(kv, a.heads // kv).amin(dim=1)  # a key head: its group's smallest γ
             k_scale = torch.sqrt(shared)
-            q_scale = gamma / k_scale.repeat_interleave(a.heads // kv)
+            q_scale = gamma / _repeat(k_scale, a.heads // kv)
             for path, rows, factors in ((a.q, a.q_rows, q_scale), (a.k, a.k_rows, k_scale)):
                 i = at[path]
-                leaf = ps_[i]
-                lo, hi = _rows(rows, leaf)
-                per_row = factors.repeat_interleave((hi - lo) // factors.numel())
+                whole = held[i][2]  # type: ignore[index]  # a rescaled leaf is a buffer of its own
+                lo, hi = _rows(rows, whole)
+                per_row = _repeat(factors, (hi - lo) // factors.numel())
                 base = scale.get(i)
                 if base is None:
-                    base = torch.ones(leaf.shape[0], dtype=torch.float64, device=leaf.device)
+                    base = torch.ones(whole, dtype=torch.float64, device=ps_[i].device)
                 scale[i] = torch.cat([base[:lo], base[lo:hi] * per_row.to(base.device), base[hi:]])
         out = list(us)
-        for i, r in scale.items():
+        for i, whole_rows in scale.items():
             p, u = ps_[i], us[i]
+            first, count, _ = held[i]  # type: ignore[misc]
+            r = whole_rows[first : first + count]  # this process's rows
             r = replicated_like(r.view(-1, *([1] * (u.dim() - 1))), p)  # on whole DTensors: replicated on p's mesh
             wide = torch.promote_types(u.dtype, torch.float32)
             new = (p.to(wide) + u.to(wide)) * r.to(wide)  # the updated weights, rescaled per head
             out[i] = (new - p.to(wide)).to(u.dtype)
         return pytree.tree_unflatten(out, spec), state
 
-    reason = "qk_clip rescales rows by their place in the whole W_q and W_k"
-    return with_needs(Transform(init, update), Needs(rules=(named,), sharded=reason))
+    # Over shards each rank rescales the rows of W_q, W_k its block holds (`ops.held_rows`).
+    return with_needs(Transform(init, update), Needs(rules=(named,)))

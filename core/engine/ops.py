@@ -13,6 +13,8 @@ elementwise then calls these and never looks at the layout itself:
 - `global_norm`, `all_finite`, `global_sums`, `leaf_norms`, `leaf_sums`: reductions over
   the tree, computed on what this process holds and then, over shards, summed across
   ranks: one batched collective per call, whatever the number of tensors;
+- `held_rows(tree)`: per leaf, the rows of the whole leaf this process holds (QK-clip's
+  per-head rows);
 - `row_sums(tree, xs, lead)`: per leaf, the sums over each row of whole matrices (NorMuon's
   per-row statistics); a row split over ranks (a tensor-parallel column block) is summed
   across them in one collective;
@@ -216,6 +218,25 @@ def leaf_sums(tree: Any, xs: Sequence[Tensor]) -> list[Tensor]:
         k = x.shape[0] if s else 1
         out.append(total[at : at + k].reshape((k,) + (1,) * (x.dim() - 1)) if s else total[at].reshape(()))
         at += k
+    return out
+
+
+def held_rows(tree: Any) -> list[tuple[int, int, int] | None]:
+    """Per leaf of `tree` (per buffer of a packed one): `(first, count, rows)`, the rows
+    `[first, first + count)` of the whole leaf's `rows` that this process holds (a buffer of
+    several leaves: None). All of them on plain trees and in one process; over shards, this
+    rank's block's (a tensor-parallel column block holds every row)."""
+    if not _flat.is_packed(tree):
+        return [(0, x.shape[0], x.shape[0]) if x.dim() else None for x in pytree.tree_leaves(tree)]
+    shard = _shard(tree)
+    out: list[tuple[int, int, int] | None] = []
+    for g in tree.pack_spec.groups:
+        if len(g.members) != 1 or not len(g.members[0].shape):
+            out.append(None)
+            continue
+        m = g.members[0]
+        whole = shard.shapes[m.index][0] if shard is not None else m.shape[0]
+        out.append((*shard.row_range(m.index), whole) if shard is not None else (0, whole, whole))
     return out
 
 

@@ -15,6 +15,7 @@ protocol, in full:
 - `weights`: per leaf, 1 where this rank's block counts in a sum over ranks, 0 where it is
   a copy counted elsewhere (`group_weights`, `member_weights` lay them out per buffer);
 - `all_reduce(t)`: a sum over the ranks;
+- `row_range(i)`: (first, count) of the whole leaf `i`'s rows this rank's block holds;
 - `row_sums(spec, partials, lead)`: per group, the local sums over each row of its leaves
   (`partials`, shaped up to the row dim) made the sums over whole rows;
 - `map_matrices(spec, fn, xs, batch, extra)`: `fn` on whole matrices, owner-computes
@@ -93,6 +94,10 @@ class Placement(abc.ABC):
 
     @abc.abstractmethod
     def describe(self) -> str:
+        """See the module docstring."""
+
+    @abc.abstractmethod
+    def row_range(self, index: int) -> tuple[int, int]:
         """See the module docstring."""
 
     @abc.abstractmethod

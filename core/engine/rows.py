@@ -223,6 +223,10 @@ class RowShards(Placement):
     def row_sums(self, spec: PackSpec, partials: list[Tensor], lead: list[int]) -> list[Tensor]:
         return partials  # whole rows on every rank: their sums are local
 
+    def row_range(self, index: int) -> tuple[int, int]:
+        s = self.slices[index]
+        return (s.starts[self.rank], s.counts[self.rank]) if s.sharded else (0, s.shape[0])
+
     def describe(self) -> str:
         if self.nested is not None:
             r, n = self.nested

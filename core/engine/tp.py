@@ -57,6 +57,10 @@ class TPBlocks(Placement):
             return self.untiled()
         return None
 
+    def row_range(self, index: int) -> tuple[int, int]:
+        offsets, shape = self.boxes.of(index)[self.rank]
+        return offsets[0], shape[0]
+
     def row_sums(self, spec: PackSpec, partials: list[Tensor], lead: list[int]) -> list[Tensor]:
         """Each member's local row sums placed at its block's rows in a zero grid of every
         leaf's whole (batch..., rows), counted once (copies weigh 0), one all_reduce over
@@ -247,6 +251,8 @@ def placement(pairs: list[tuple[str, Any]]) -> TPBlocks:
         )
     coordinate = tuple(root.get_coordinate())
     boxes = Boxes([x for _, x in pairs], root, mesh_dims, copies)
+    for i in range(len(pairs)):  # now, not inside a traced step (DTensor's offset arithmetic does not trace)
+        boxes.of(i)
     return TPBlocks(
         world,
         torch.distributed.get_rank(),

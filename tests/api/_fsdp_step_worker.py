@@ -43,6 +43,9 @@ CASES = {
         lr=0.02, adamw_lr=0.01, ns_dtype=torch.float32, batch_dims=lambda path, x: int(x.dim() == 3))),
     # Kronecker factors per whole leaf: every rank refits and preconditions whole DTensors
     "kron": lambda: ps.apply_if_finite(ps.kron(0.02, weight_decay=0.1, update_prob=0.5)),
+    # QK-clip's heads on FSDP2's row blocks (5 heads of 1 row: uneven blocks), each rank its rows' factors.
+    "qk_clip_rows": lambda: ps.apply_if_finite(ps.chain(ps.adamw(0.02), ps.qk_clip(
+        5.0, {"attn": ps.QKHeads(q="0.weight", k="2.weight", heads=5)}))),
     # A branch that gets no leaf still reduces (its zero partials made on the params' device).
     "empty_branch": lambda: ps.apply_if_finite(ps.partition(
         {"a": ps.chain(ps.clip_by_global_norm(0.05), ps.adamw(0.02, weight_decay=0.1)),
@@ -183,15 +186,16 @@ def run(name: str, compile: bool, flat: bool = True, mesh=None, over_replicas: b
             ref_grads["0.weight"][4, 0] = float("nan")
             if rank == 1:
                 grads["0.weight"].to_local()[1, 0] = float("nan")
+        inputs = {"max_logits": {"attn": torch.tensor([8.0, 3.0, 6.0, 1.0, 9.0])}} if name == "qk_clip_rows" else {}
         # The per-leaf path's own probes (kron's seeds) follow the default device: only the payloads' check there.
         with PAYLOADS.step(off_device=name not in WHOLE and flat) if PAYLOADS is not None else contextlib.nullcontext():
-            metrics = update(params, grads, state)[-1]
+            metrics = update(params, grads, state, **inputs)[-1]
         if bool(metrics["skipped"]) != (step == 2):
             raise AssertionError(f"{name} compile={compile} step {step}: skipped={bool(metrics['skipped'])}")
         if step != 2 and not torch.allclose(metrics["grad_norm"], ps.tree_global_norm(ref_grads), rtol=1e-5):
             raise AssertionError(f"{name} compile={compile} step {step}: grad_norm {float(metrics['grad_norm'])} "
                                  f"is not one process's {float(ps.tree_global_norm(ref_grads))}")
-        ref_params, ref_state = pure(ref_params, ref_grads, ref_state)
+        ref_params, ref_state = pure(ref_params, ref_grads, ref_state, **inputs)
         net.zero_grad(set_to_none=False)
         for k, p in params.items():
             full = p.detach().full_tensor()

@@ -34,7 +34,7 @@ def test_sharded_update_on_two_fsdp2_ranks_equals_one_process():
         ["prodigy", "compile=False"], ["prodigy", "compile=True"], ["mars", "compile=False"],
         ["adopt/laprop/adamc", "compile=False"], ["muon_batch_dims", "compile=False"], ["muon_split", "compile=False"],
         ["normuon_batch_dims", "compile=False"], ["normuon_batch_dims", "compile=True"],
-        ["kron", "compile=False"], ["empty_branch", "compile=False"], ["per-leaf-DTensor", "compile=False"],
+        ["kron", "compile=False"], ["qk_clip_rows", "compile=False"], ["empty_branch", "compile=False"], ["per-leaf-DTensor", "compile=False"],
         ["payloads", "checked:"],
     ], out.stdout
 
@@ -71,8 +71,8 @@ def test_sharded_update_on_an_hsdp_mesh_of_four_ranks_equals_one_process_and_kee
     # params): torch's own clip_grad_norm_ refuses the mixed meshes. Elementwise math and
     # reductions run on each rank's blocks (the sharded path: weights count each block once),
     # Muon's matrices assembled at their owners from row x column blocks, NorMuon's per-row
-    # statistics summed over a row's column blocks (ops.row_sums, one collective); QK-clip's
-    # rows and Kron's factors on whole DTensors.
+    # statistics summed over a row's column blocks (ops.row_sums, one collective), QK-clip's
+    # factors for the rows each block holds (ops.held_rows); Kron's factors on whole DTensors.
     lines = [line.split() for line in out.stdout.splitlines() if line.startswith(("ok fsdp+tp ", "ok tp "))]
     want = [
         (layout, name, f"compile={c}")
@@ -81,7 +81,7 @@ def test_sharded_update_on_an_hsdp_mesh_of_four_ranks_equals_one_process_and_kee
         for c in ((False, True) if name in ("adamw+clip+skip", "muon_adamw", "normuon_adamw") else (False,))
     ]
     assert [tuple(line[1:4]) for line in lines] == want, out.stdout
-    on_blocks = {"adamw+clip+skip", "muon_adamw", "normuon_adamw", "lamb"}
+    on_blocks = {"adamw+clip+skip", "muon_adamw", "normuon_adamw", "lamb", "qk_clip"}
     for line in lines:
         path = "path='sharded'" if line[2] in on_blocks else "path='per-leaf"
         assert line[5].startswith(path), line

@@ -21,9 +21,13 @@ each rank holds 1/(R·S) of every state leaf:
 - after the update one `all_gather` across the replicas per dtype puts the pieces together
   into the user's param blocks: every replica's params are bit-identical.
 
-The cost: that all_gather moves (R-1)/R of a block of params per rank across replicas,
-beside FSDP2's all-reduce of the grads (FSDP2's `set_requires_all_reduce(False)` keeps the
-partial grads inside FSDP2, so a reduce-scatter in its place is not reachable).
+With `shard_state_over_replicas=True` that all_gather moves (R-1)/R of a block of params per
+rank across replicas beside FSDP2's all-reduce of the grads (FSDP2's
+`set_requires_all_reduce(False)` keeps the partial grads inside FSDP2 and leaves `.grad`
+unset, so the all-reduce cannot be traded away there). Given the (replicate, shard) mesh
+instead (`OverReplicas(inner, mesh)`), the params are FSDP2's over `mesh["shard"]` in each
+replica, the grads each replica's own: the pieces' grads are their mean over the replicas,
+one reduce_scatter per dtype, and with the all_gather that is HSDP's all-reduce in bytes.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 from typing import TYPE_CHECKING, Any, Callable
 
+import msgspec
 import torch
 from torch import Tensor
 
@@ -184,7 +185,12 @@ def trainer_transform(
     that inside `ps.diloco` (the skip inside: every worker counts every step, so the syncs
     line up; `workers` the exchange between them: `(reduce, gather)`)."""
     if transform is None:
-        transform = config.build_optimizer()
+        section = config.optimizer
+        takes = inspect.signature(_public(section.name, "optimizer", "optimizer.name")).parameters
+        if getattr(model, "experts", 0) and "batch_dims" in takes and "batch_dims" not in section.kwargs:
+            # a mixture of experts: Muon's matrices are each expert's (the model's table)
+            section = msgspec.structs.replace(section, kwargs={**section.kwargs, "batch_dims": model.batch_dims()})
+        transform = build_optimizer(section, config.build_schedule())
     elif config.optimizer.clip_grad_norm is not None:
         if ps.contains(transform, ps.clip_by_global_norm, params):
             raise ConfigError("optimizer.clip_grad_norm", "the given transform clips already; set it to None")

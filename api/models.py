@@ -7,7 +7,6 @@ Names follow the conventions `ps.muon_labels` and `ps.decay_mask` read: `embed.*
 from __future__ import annotations
 
 import inspect
-import math
 import numbers
 from typing import Any, cast
 
@@ -81,13 +80,56 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
+class MoE(nn.Module):
+    """Routed SwiGLU experts (torchtitan's MoE layer, dropless): the router's softmax scores
+    pick each token's `top_k` of `experts`, their weights renormalized over the chosen; the
+    token slots are sorted by expert and each expert runs once on its slots; the outputs,
+    weighted, are summed back per token. The experts' weights are (E, m, n) leaves
+    (`gate`, `up`: (E, hidden, dim); `down`: (E, dim, hidden)): Muon orthogonalizes each
+    expert's matrix on its own (`batch_dims` 1, `GPT.batch_dims`).
+
+    `balance_loss` (after a forward): Switch Transformer's load-balancing term
+    E·Σ_e f_e·P_e, f_e the share of token slots routed to expert e, P_e its mean router
+    probability (1 when balanced). The expert sizes are read on the host to split the slots
+    (one sync per layer: a grouped matmul would avoid it on CUDA)."""
+
+    def __init__(self, dim: int, hidden: int, experts: int, top_k: int) -> None:
+        super().__init__()
+        self.experts, self.top_k = experts, top_k
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.gate = nn.Parameter(torch.empty(experts, hidden, dim))
+        self.up = nn.Parameter(torch.empty(experts, hidden, dim))
+        self.down = nn.Parameter(torch.empty(experts, dim, hidden))
+        self.balance_loss: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        t = x.reshape(-1, shape[-1])
+        n, e, k = t.shape[0], self.experts, self.top_k
+        probs = self.router(t).float().softmax(dim=-1)  # (tokens, experts)
+        weight, chosen = probs.topk(k, dim=-1)
+        weight = weight / weight.sum(dim=-1, keepdim=True)
+        slots = chosen.reshape(-1)  # token t's j-th choice at t·k + j
+        order = slots.argsort(stable=True)  # the slots by expert
+        counts = torch.bincount(slots, minlength=e)
+        token = order // k
+        xs = t[token]
+        outs = []
+        for i, chunk in enumerate(xs.split(counts.tolist())):
+            h = F.silu(chunk @ self.gate[i].T) * (chunk @ self.up[i].T)
+            outs.append(h @ self.down[i].T)
+        y = torch.cat(outs) * weight.reshape(-1)[order, None].to(t.dtype)
+        self.balance_loss = e * torch.sum(counts.to(probs.dtype) / (n * k) * probs.mean(dim=0))
+        return torch.zeros_like(t).index_add_(0, token, y).reshape(shape)
+
+
 class Block(nn.Module):
-    def __init__(self, dim: int, n_heads: int, hidden: int) -> None:
+    def __init__(self, dim: int, n_heads: int, hidden: int, experts: int = 0, top_k: int = 2) -> None:
         super().__init__()
         self.attn_norm = nn.RMSNorm(dim)
         self.attn = Attention(dim, n_heads)
         self.mlp_norm = nn.RMSNorm(dim)
-        self.mlp = SwiGLU(dim, hidden)
+        self.mlp: nn.Module = MoE(dim, hidden, experts, top_k) if experts else SwiGLU(dim, hidden)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -98,7 +140,9 @@ class GPT(nn.Module):
     """A decoder-only transformer over bytes (vocab 256 by default).
 
     `forward(input)` maps (B, T) int64 tokens to (B, T, vocab) logits. `blocks` is the
-    list FSDP2 shards one by one.
+    list FSDP2 shards one by one. With `experts=E` every block's MLP is a mixture of E
+    routed SwiGLU experts, each token to `top_k` of them (`MoE`), and `lm_loss` adds
+    `balance` x their load-balancing loss.
     """
 
     def __init__(
@@ -110,9 +154,20 @@ class GPT(nn.Module):
         n_heads: int = 4,
         seq_len: int = 128,
         mlp_ratio: float = 8 / 3,
+        experts: int = 0,
+        top_k: int = 2,
+        balance: float = 0.01,
     ) -> None:
         super().__init__()
         sizes = dict(vocab_size=vocab_size, dim=dim, n_layers=n_layers, n_heads=n_heads, seq_len=seq_len)
+        for name, value in dict(experts=experts, top_k=top_k).items():
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+                raise ValueError(f"{name}={value!r} must be a whole number >= 0")
+        if experts and not 1 <= top_k <= experts:
+            raise ValueError(f"top_k={top_k} must be between 1 and experts={experts}")
+        if isinstance(balance, bool) or not isinstance(balance, (int, float)) or balance < 0:
+            raise ValueError(f"balance={balance!r} must be a number >= 0")
+        self.experts, self.balance = int(experts), float(balance)
         for name, value in sizes.items():
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a whole number >= 1")
@@ -125,7 +180,7 @@ class GPT(nn.Module):
             raise ValueError(f"mlp_ratio={mlp_ratio!r} leaves the MLP no hidden unit at dim={dim} (it rounds to 64s)")
         self.vocab_size, self.dim, self.n_layers, self.seq_len = vocab_size, dim, n_layers, seq_len
         self.embed = nn.Embedding(vocab_size, dim)
-        self.blocks = nn.ModuleList(Block(dim, n_heads, hidden) for _ in range(n_layers))
+        self.blocks = nn.ModuleList(Block(dim, n_heads, hidden, experts, top_k) for _ in range(n_layers))
         self.norm = nn.RMSNorm(dim)
         self.lm_head = nn.Linear(dim, vocab_size, bias=False)
         cos, sin = rope_tables(seq_len, dim // n_heads)
@@ -134,20 +189,31 @@ class GPT(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        for name, p in self.named_parameters():
-            if p.dim() == 2:
-                std = 0.02 / math.sqrt(2 * self.n_layers) if name.endswith(("proj.weight", "down.weight")) else 0.02
-                nn.init.normal_(p, std=std)
+        for p in self.parameters():
+            if p.dim() >= 2:
+                nn.init.normal_(p, std=0.02)
         for block in self.blocks:
             b: Any = block
             nn.init.zeros_(b.attn.proj.weight)
-            nn.init.zeros_(b.mlp.down.weight)
+            nn.init.zeros_(b.mlp.down if self.experts else b.mlp.down.weight)
 
     def forward(self, input: Tensor) -> Tensor:
         x = self.embed(input)
         for block in self.blocks:
             x = block(x, self.rope_cos, self.rope_sin)
         return self.lm_head(self.norm(x))
+
+    def batch_dims(self) -> dict[str, int]:
+        """Per param, its leading dims that index separate matrices (Muon's `batch_dims`): 1
+        for the experts' (E, m, n) weights, 0 elsewhere."""
+        return {name: int(p.dim() == 3) for name, p in self.named_parameters()}
+
+    def extra_loss(self) -> Tensor | None:
+        """`balance` x the last forward's load-balancing losses, summed over the blocks (None without experts)."""
+        if not self.experts:
+            return None
+        losses = [cast(MoE, cast(Block, b).mlp).balance_loss for b in self.blocks]
+        return self.balance * torch.stack([x for x in losses if x is not None]).sum()
 
     def qk_heads(self) -> dict[str, ps.QKHeads]:
         """Each block's W_q and W_k, for `ps.qk_clip`."""
@@ -167,6 +233,8 @@ class GPT(nn.Module):
         whole. For `parallelize_module(model, tp_mesh, plan)`."""
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+        if self.experts:
+            raise ValueError("tensor parallelism over the experts is not built (the MoE GPT runs on FSDP2)")
         block = cast(Block, self.blocks[0])
         heads, hidden = cast(Attention, block.attn).n_heads, cast(SwiGLU, block.mlp).down.in_features
         if heads % degree or hidden % degree:
@@ -243,7 +311,15 @@ def lm_loss(model: nn.Module, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]
     logits = model(batch["input"])
     target = batch["target"]
     loss = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), reduction="sum", ignore_index=-100)
-    return loss, (target != -100).sum()
+    tokens = (target != -100).sum()
+    inner: Any = model
+    while hasattr(inner, "module") or hasattr(inner, "_orig_mod"):  # DDP, torch.compile
+        inner = getattr(inner, "module", None) or inner._orig_mod
+    extra_loss = getattr(inner, "extra_loss", None)
+    extra = extra_loss() if callable(extra_loss) else None
+    if extra is not None:  # a per-batch mean (MoE's balance), weighted by this batch's tokens as the loss is
+        loss = loss + extra * tokens
+    return loss, tokens
 
 
 def build_model(section: Any) -> GPT:

@@ -612,3 +612,47 @@ def D_unwrap(t):
     from purestep.api import distributed as D
 
     return D.unwrap(t.module)
+
+
+MOE = 'model.kwargs={"experts": 4, "top_k": 2}'
+
+
+def test_moe_gpt_routes_like_a_per_token_reference_and_muon_sees_each_expert_as_a_matrix():
+    """The MoE layer against a loop over tokens (each token's top-2 experts, their softmax
+    weights renormalized); its balance loss against Switch's E·Σ f_e·P_e by hand; the
+    Trainer's muon_adamw given the model's batch_dims table (each expert its own matrix),
+    which differs from Muon on the flattened (E, m, n) leaf."""
+    from purestep.api._build import trainer_transform
+    from purestep.api.models import GPT
+
+    torch.manual_seed(0)
+    model = GPT(dim=16, n_layers=1, n_heads=2, seq_len=8, experts=4, top_k=2)
+    moe = model.blocks[0].mlp
+    torch.nn.init.normal_(moe.down, std=0.1)
+    t = torch.randn(12, 16)
+    with torch.no_grad():
+        y = moe(t)
+        probs = moe.router(t).softmax(-1)
+        ref = torch.zeros_like(t)
+        hits = torch.zeros(4)
+        for i in range(12):
+            w, idx = probs[i].topk(2)
+            for wj, e in zip(w / w.sum(), idx):
+                ref[i] += wj * (moe.down[e] @ (torch.nn.functional.silu(moe.gate[e] @ t[i]) * (moe.up[e] @ t[i])))
+                hits[e] += 1
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(moe.balance_loss, 4 * (hits / 24 * probs.mean(0)).sum(), rtol=1e-5, atol=1e-7)
+    cfg = tiny_config(MOE, "model.n_layer=1", "optimizer.kwargs={}", "optimizer.clip_grad_norm=none",
+                      "schedule.name=constant", "schedule.warmup_steps=none")
+    params = {k: p.detach().clone() for k, p in model.named_parameters()}
+    grads = {k: torch.randn_like(p) for k, p in params.items()}
+    got = trainer_transform(cfg, None, params, model, (None, None))
+    experts = ps.muon_adamw(lr=cfg.optimizer.lr, batch_dims=model.batch_dims())
+    flattened = ps.muon_adamw(lr=cfg.optimizer.lr)
+    updates = {name: t.update(grads, t.init(params), params)[0]["blocks.0.mlp.gate"] for name, t in
+               (("got", got), ("experts", experts), ("flattened", flattened))}
+    direction = {k: u / u.norm() for k, u in updates.items()}
+    torch.testing.assert_close(direction["got"], direction["experts"], rtol=1e-4, atol=1e-6)
+    assert not torch.allclose(direction["got"], direction["flattened"], atol=1e-3)
+    with pytest.raises(ValueError, match="top_k=5 must be between 1 and experts=4"):
+        GPT(experts=4, top_k=5)

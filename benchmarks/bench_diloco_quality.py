@@ -48,7 +48,7 @@ def worker(out: str, steps: int, overrides: list[str]) -> None:
 
 
 def run(name: str, seed: int, steps: int, root: Path) -> float:
-    out = root / f"{name.split(',')[0].replace(' ', '_').replace('=', '')}-{seed}"
+    out = root / f"run{list(RUNS).index(name)}-seed{seed}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, "--worker",
            str(out), str(steps), f"seed={seed}", *RUNS[name]]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -90,7 +90,7 @@ def main() -> None:
         "|---|---|---|---|---|",
     ]
     for name, vals in losses.items():
-        base = losses.get("DDP, AdamW" if "AdamW inside" in name or name == "DDP, AdamW" else "DDP, Muon + AdamW")
+        base = losses.get("DDP, Muon + AdamW" if "Muon" in name else "DDP, AdamW")  # the same inner optimizer
         delta = f"{(statistics.mean(vals) / statistics.mean(base) - 1) * 100:+.1f}%" if base else "n/a"
         lines.append(f"| {name} | {statistics.mean(vals):.4f} | {min(vals):.4f}..{max(vals):.4f} | "
                      f"{', '.join(f'{v:.4f}' for v in vals)} | {delta} |")

@@ -19,6 +19,7 @@ import datetime
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -34,6 +35,13 @@ RUNS = {  # name -> overrides
     "DDP, Muon + AdamW": [],
     "MuLoCo H=10 (Muon + AdamW inside)": ["diloco.sync_every=10"],
 }
+EXTRA = {  # not run by default: the outer step at small H
+    "DiLoCo H=10, AdamW inside, outer momentum 0": [*ADAMW, "diloco.sync_every=10", "diloco.outer_momentum=0"],
+    "DiLoCo H=10, AdamW inside, outer lr 1, momentum 0": [
+        *ADAMW, "diloco.sync_every=10", "diloco.outer_momentum=0", "diloco.outer_lr=1"],
+}
+DEFAULT = list(RUNS)
+RUNS.update(EXTRA)
 
 
 def worker(out: str, steps: int, overrides: list[str]) -> None:
@@ -65,7 +73,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
+    ap.add_argument("--runs", nargs="+", default=DEFAULT, choices=list(RUNS))
     ap.add_argument("--out", default=None, help="a markdown path, or 'auto'")
     args = ap.parse_args()
     losses: dict[str, list[float]] = {}
@@ -80,7 +88,7 @@ def main() -> None:
         f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; 2 ranks (gloo, CPU), "
         f"OMP_NUM_THREADS=1; Python {platform.python_version()}; torch {__import__('torch').__version__}.",
         "",
-        f"Command: `python benchmarks/{Path(__file__).name} {' '.join(sys.argv[1:])}`",
+        f"Command: `python benchmarks/{Path(__file__).name} {shlex.join(sys.argv[1:])}`",
         "",
         f"The demo's recipe for {args.steps} steps, 2 workers (ranks) of 8 rows a step each, seeds "
         f"{args.seeds}; final validation loss (mean, min..max over seeds), and against the DDP run of "

@@ -125,6 +125,23 @@ class Traffic:
 TRAFFIC: Traffic | None = None
 
 
+def against_torch(mesh, ours, ours_model, steps: int) -> float:
+    """`steps` of `ours` (clip + AdamW on `ours_model`) and of torch's `clip_grad_norm_` + fused
+    AdamW on the same model and grads: the largest relative difference of the params."""
+    theirs = build(mesh)
+    theirs_grads = grads_of(theirs)
+    opt = torch.optim.AdamW(theirs.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+    for _ in range(steps):
+        ours()
+        for p, g in zip(theirs.parameters(), theirs_grads.values()):
+            p.grad = g
+        torch.nn.utils.clip_grad_norm_(theirs.parameters(), 1.0)
+        opt.step()
+    with torch.no_grad():
+        return max(float((a.full_tensor() - b.full_tensor()).abs().max() / b.full_tensor().abs().max().clamp(min=1e-12))
+                   for a, b in zip(ours_model.parameters(), theirs.parameters()))
+
+
 def part_replicas(mesh, args) -> list[str]:
     """HSDP 2x2 with the optimizer state sharded across the replicas against the same step with a
     whole copy per replica and against torch's clip_grad_norm_ + AdamW(fused=True): state bytes
@@ -172,18 +189,7 @@ def part_replicas(mesh, args) -> list[str]:
     # Equality with torch from the same params and grads, `--check` steps (the mesh-given form:
     # the same grads in both replicas, so their mean is torch's).
     ours, _, ours_model = purestep_step(mesh, recipe(), over_replicas="apart")
-    theirs = build(mesh)
-    theirs_grads = grads_of(theirs)
-    opt = torch.optim.AdamW(theirs.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
-    for _ in range(args.check):
-        ours()
-        for p, g in zip(theirs.parameters(), theirs_grads.values()):
-            p.grad = g
-        torch.nn.utils.clip_grad_norm_(theirs.parameters(), 1.0)
-        opt.step()
-    with torch.no_grad():
-        worst = max(float((a.full_tensor() - b.full_tensor()).abs().max() / b.full_tensor().abs().max().clamp(min=1e-12))
-                    for a, b in zip(ours_model.parameters(), theirs.parameters()))
+    worst = against_torch(mesh, ours, ours_model, args.check)
     if dist.get_rank() != 0:
         return []
     fused_ms = statistics.median(m[list(fns)[-1]] for m in medians) * 1e3
@@ -235,18 +241,7 @@ def part_step(mesh, args) -> list[str]:
     bw = bandwidth(4 * local)
     # Equality: both from the same params, the same grads, `--check` steps.
     ours, _, ours_model = purestep_step(mesh, recipe())
-    theirs = build(mesh)
-    theirs_grads = grads_of(theirs)
-    opt = torch.optim.AdamW(theirs.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
-    for _ in range(args.check):
-        ours()
-        for p, g in zip(theirs.parameters(), theirs_grads.values()):
-            p.grad = g
-        torch.nn.utils.clip_grad_norm_(theirs.parameters(), 1.0)
-        opt.step()
-    with torch.no_grad():
-        worst = max(float((a.full_tensor() - b.full_tensor()).abs().max() / b.full_tensor().abs().max().clamp(min=1e-12))
-                    for a, b in zip(ours_model.parameters(), theirs.parameters()))
+    worst = against_torch(mesh, ours, ours_model, args.check)
     if dist.get_rank() != 0:
         return []
     n = sum(p.numel() for p in model.parameters())

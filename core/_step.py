@@ -23,6 +23,7 @@ from .engine import ops as lay
 from .engine.donate import Taken, adopt_into, copy_into
 from .engine.dtensor import is_dtensor, local
 from .engine.packed import is_packed, pack_like
+from .engine.replicas import check_over_replicas
 
 Metrics = dict[str, Any]
 
@@ -301,17 +302,11 @@ def make_update(
       flat: with `compile=True, donate=True`, run over flat buffers (below); False keeps
         one kernel per leaf.
       metrics: also return the step's metrics (above), so a loop needs no look into the state.
-      shard_state_over_replicas: with `donate=True` on HSDP params (`fully_shard` on a
-        (replicate, shard) mesh), each rank keeps 1/R of its block of every state leaf (R
-        replicas): the state's DTensors are re-placed in place (`_StridedShard` on the
-        replicate dim; `full_tensor()` and torch.distributed.checkpoint see the global
-        tensors), the update runs on that piece, and one all_gather across the replicas
-        puts the params' blocks together (bit-identical on every replica). Elsewhere it
-        changes nothing (`explain()` says so). Given the (replicate, shard) `DeviceMesh`
-        instead of True, with `fully_shard(..., mesh=mesh["shard"])` in each replica (no
-        all-reduce of the grads in the backward), the update itself averages each replica's
-        grads (a reduce_scatter across the replicas, then the all_gather of the params: the
-        bytes of HSDP's all-reduce, with the state split).
+      shard_state_over_replicas: HSDP (`donate=True`): each rank keeps 1/R of its block of
+        every state leaf (R replicas; the state's DTensors re-placed in place, global to
+        `full_tensor()` and checkpoints). True on HSDP's own params; the (replicate, shard)
+        `DeviceMesh`, with FSDP2 over `mesh["shard"]`, and the update averages the replicas'
+        grads itself (HSDP's bytes). docs/guides/distributed.md shows both.
 
     Eager donation (`donate=True` without compile) applies the update in place without
     materializing it where the transform has an in-place form (`with_in_place`): a
@@ -365,15 +360,7 @@ def make_update(
     averaging = _check_ema(ema)
     if not isinstance(metrics, bool):
         raise ValueError(f"metrics must be True or False, got {metrics!r}")
-    if not isinstance(shard_state_over_replicas, bool) and (
-        getattr(shard_state_over_replicas, "ndim", None) != 2 or not hasattr(shard_state_over_replicas, "get_group")
-    ):
-        raise ValueError(
-            "shard_state_over_replicas must be True, False or a 2-D (replicate, shard) DeviceMesh, got "
-            f"{shard_state_over_replicas!r}"
-        )
-    if shard_state_over_replicas and not donate:
-        raise ValueError("shard_state_over_replicas=True needs donate=True (it re-places the state in place)")
+    check_over_replicas(shard_state_over_replicas, donate)
 
     program = UpdateProgram(optimizer, averaging, metrics)
     pure = compile_per_leaf(program.pure) if compile else program.pure

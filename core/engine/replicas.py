@@ -43,6 +43,16 @@ from .dtensor import is_dtensor, local
 from .rows import _chunk, nested_placements
 
 
+def check_over_replicas(value: Any, donate: bool) -> None:
+    """`make_update`'s `shard_state_over_replicas`: a bool or a 2-D (replicate, shard) mesh, with `donate`."""
+    if not isinstance(value, bool) and (getattr(value, "ndim", None) != 2 or not hasattr(value, "get_group")):
+        raise ValueError(
+            f"shard_state_over_replicas must be True, False or a 2-D (replicate, shard) DeviceMesh, got {value!r}"
+        )
+    if value is not False and not donate:
+        raise ValueError("shard_state_over_replicas needs donate=True (it re-places the state in place)")
+
+
 def hsdp_replicas(params: Any) -> tuple[Any, int, int] | None:
     """(mesh, replicate dim, shard dim) when `params` are HSDP row blocks with more than one
     replica (`Replicate` on one dim of a 2-D mesh, `Shard(0)` or `Replicate` on the other),

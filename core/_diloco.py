@@ -19,6 +19,7 @@ from ._base import OptState, Params, PyTree, Transform, check_int, leaf_device, 
 from ._cond import as_is, cond, fresh, plain_branch
 from ._sparse import TopK
 from .engine import ops as lay
+from .engine.clock import Phase, quiet
 from .engine.needs import Needs, Rule, with_needs
 
 
@@ -123,6 +124,14 @@ def diloco(
     mean = _Mean(reduce, compression, gather)
     rule = Rule("fragments", fragments, lambda tree: _fragment_of(tree, fragments))
     streaming = fragments > 1
+    dues = [((f + 1) * period) % sync_every for f in range(fragments)]  # calls % H at fragment f's outer step
+
+    def quiet_at(calls: int) -> bool:
+        """Whether call `calls` neither takes a pseudo-gradient nor lands an outer step."""
+        return all((calls + delay) % sync_every != d and calls % sync_every != d for d in dues)
+
+    # A donated step on flat buffers knows the quiet calls on the host (`engine.clock`).
+    phase = Phase(("diloco", sync_every, fragments, delay), DiLoCoState, quiet_at)
 
     def parts_of(tree: PyTree) -> list[tuple[list[int], PyTree]]:
         """Per fragment: its leaves' indices and its tree (the whole tree without fragments)."""
@@ -146,14 +155,16 @@ def diloco(
         require_params(params, "diloco", "the pseudo-gradient is anchor - params")
         tr.check_match(grads, state.anchor, "grads", "params")
         updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
+        calls = state.count + 1
+        if quiet(phase.key):  # the host knows no fragment syncs on this call: no branch, nothing copied
+            return updates, state._replace(count=calls, inner_state=inner_state)
         spec = pytree.tree_structure(params)
         anchor, ps_, us = (spec.flatten_up_to(t) for t in (state.anchor, params, updates))
         pending = spec.flatten_up_to(state.pending) if delay else []
         error = spec.flatten_up_to(state.error) if compression is not None else []
         moves, outers = list(us), list(state.outer_state) if streaming else [state.outer_state]
-        calls = state.count + 1
         for f, (idx, sub) in enumerate(parts_of(params)):
-            due = ((f + 1) * period) % sync_every  # calls % H at this fragment's outer step
+            due = dues[f]
             o, o_spec = pytree.tree_flatten(outers[f])
             sync = _Sync(pytree.tree_structure(sub), o_spec, outer, mean, alpha, len(idx), plain_branch(calls), delay)
             a, p, u = ([xs[j] for j in idx] for xs in (anchor, ps_, us))
@@ -193,6 +204,7 @@ def diloco(
         whole_leaves=compression is not None,
         stacks=compression is None,
         sharded="top-k tiles of whole leaves" if compression is not None else None,
+        phase=phase,
     )
     return with_needs(Transform(init, update), needs)
 

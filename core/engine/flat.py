@@ -18,6 +18,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from .. import _tree as tr
+from .clock import HostClock
 from .compiling import compile_own
 from .donate import bind_tree, repoint_, write_back
 from .needs import plan
@@ -39,9 +40,10 @@ class _Bound:
     ema: Any
     keys: list[str] | None  # the param names, for dict trees (a fast path for grads)
     fn: Callable  # the step over the buffers (compiled)
-    calls: int = 0  # CUDA: calls before capture
-    graph: Any = None  # CUDA: the captured graph and its outputs
-    graph_out: Any = None
+    clock: HostClock  # the call count of the branches known on the host (`clock`)
+    # CUDA, per branch known on the host (None: none): calls before capture, the captured graph and its outputs
+    calls: dict = dataclasses.field(default_factory=dict)
+    graphs: dict = dataclasses.field(default_factory=dict)
     input_key: Any = None  # make_step on CUDA: the batch's structure and shapes, and its static copies
     inputs: Any = None
 
@@ -155,6 +157,7 @@ class FlatUpdate:
             ema=user_ema,
             keys=list(params) if type(params) is dict else None,
             fn=self._compile([s for _, s in flat], groups[0].device if groups else torch.device("cpu")),
+            clock=HostClock(pack.phases),
         )
 
     def _compile(self, specs: list[pytree.TreeSpec], device: torch.device) -> Callable:
@@ -205,17 +208,21 @@ class FlatUpdate:
             b = self._bound()
         self._take_in_state(opt_state, ema_state)
         self._grads_in(self.local(grads))
-        # With torch's AMP inputs (0-d tensors, new ones each call) or the transform's own
-        # inputs the same compiled step runs with them, outside any CUDA graph (a graph reads
-        # its inputs at fixed addresses).
-        if amp is None and not extra:
-            out = _run(b, b.buffers)
-        else:
-            extra = {k: self.local(v) for k, v in (extra or {}).items()}
-            like = tuple(sorted(k for k, v in extra.items() if pytree.tree_structure(v) == b.param_spec))
-            out = b.fn(*b.buffers, amp, extra, like)
+        branch = b.clock.start(opt_state)
+        try:
+            # With torch's AMP inputs (0-d tensors, new ones each call) or the transform's own
+            # inputs the same compiled step runs with them, outside any CUDA graph (a graph reads
+            # its inputs at fixed addresses).
+            if amp is None and not extra:
+                out = _run(b, b.buffers, branch)
+            else:
+                extra = {k: self.local(v) for k, v in (extra or {}).items()}
+                like = tuple(sorted(k for k, v in extra.items() if pytree.tree_structure(v) == b.param_spec))
+                out = b.fn(*b.buffers, amp, extra, like)
+        finally:
+            b.clock.stop()
         self.after_run()
-        if out is not None and amp is None and not extra and b.graph is not None:  # a graph rewrites its outputs
+        if out is not None and amp is None and not extra and branch in b.graphs:  # a graph rewrites its outputs
             out = pytree.tree_map(lambda x: x.clone() if isinstance(x, Tensor) else x, out)
         return out
 
@@ -229,22 +236,24 @@ class FlatUpdate:
             b.ema = ema_state
 
 
-def _run(b: _Bound, args: list) -> Any:
+def _run(b: _Bound, args: list, branch: Any = None) -> Any:
     """Call the compiled step; on CUDA, from the second call on, as one CUDA-graph replay
-    (every input lives at a fixed address: the buffers, and make_step's batch copies)."""
+    (every input lives at a fixed address: the buffers, and make_step's batch copies), one
+    graph per branch known on the host (`branch`, `clock`)."""
     if not (b.buffers[0] and b.buffers[0][0].is_cuda):
         return b.fn(*args)
-    if b.graph is not None:
-        b.graph.replay()
-        return b.graph_out
-    b.calls += 1
-    if b.calls < 2:  # compile and warm up outside a graph
+    if branch in b.graphs:
+        graph, out = b.graphs[branch]
+        graph.replay()
+        return out
+    b.calls[branch] = b.calls.get(branch, 0) + 1
+    if b.calls[branch] < 2:  # compile and warm up outside a graph
         return b.fn(*args)
     graph = torch.cuda.CUDAGraph()
     torch.cuda.synchronize()
     with torch.cuda.graph(graph):
         out = b.fn(*args)
-    b.graph, b.graph_out = graph, out
+    b.graphs[branch] = (graph, out)
     graph.replay()
     return out
 
@@ -288,7 +297,7 @@ class FlatStep(FlatUpdate):
             [getattr(x, "shape", x) for x in pytree.tree_leaves((batch, buffers))],
         )
         if b.input_key != key:
-            b.input_key, b.graph, b.calls = key, None, 0
+            b.input_key, b.graphs, b.calls = key, {}, {}
             b.inputs = pytree.tree_map(lambda x: x.clone() if isinstance(x, Tensor) else x, (batch, buffers))
         else:
             pairs = [
@@ -298,7 +307,11 @@ class FlatStep(FlatUpdate):
             ]
             torch._foreach_copy_([d for d, _ in pairs], [x for _, x in pairs])
         static_batch, static_buffers = b.inputs
-        metrics = _run(b, [p, s, static_batch, static_buffers, with_buffers])
+        branch = b.clock.start(opt_state)
+        try:
+            metrics = _run(b, [p, s, static_batch, static_buffers, with_buffers], branch)
+        finally:
+            b.clock.stop()
         if with_buffers:  # donated buffers: the caller's tensors get the new values
             torch._foreach_copy_(pytree.tree_leaves(buffers), pytree.tree_leaves(static_buffers))
         # The graph rewrites its outputs on every replay: hand out copies.

@@ -29,6 +29,10 @@ transform runs while planning, so `explain()` can answer before the first call.
   nothing it keeps sums grads up without bound). `apply_if_finite` over a bounded
   transform checks the grads' norm alone, the value a clip reads anyway, instead of
   reading the new state once more (`bounded(t)`: whether a transform and all its parts are).
+- `phase`: a branch its update takes on some calls only, a function of its call count
+  alone (`clock.Phase`: DiLoCo's syncs). A donated step on flat buffers counts calls on
+  the host and tells the update which calls are quiet (`clock.quiet`): those run a
+  program with no branch (and no `torch.cond`, whose outputs copy the state it carries).
 - `parts(tree)`: for a transform built of others, each inner transform with the leaves it
   sees: None for the same tree, a list of bools for `{path: leaf}` of the leaves kept
   (what `masked` and `partition` hand their inner transforms).
@@ -51,6 +55,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from .. import _tree as tr
+from .clock import Phase
 from .packed import STACK, NotPacked, PackSpec, group_leaves, rule_on, select_spec
 
 
@@ -98,6 +103,7 @@ class Needs:
     sharded: str | None = None
     parts: Callable[[Any], Sequence[tuple[Any, Sequence[bool] | None]]] | None = None
     bounded: bool = False
+    phase: Phase | None = None
 
 
 # Declarations keyed by the update function (as `with_in_place`'s forms: a transform rebuilt
@@ -112,7 +118,7 @@ def with_needs(transform: Any, needs: Needs) -> Any:
         >>> import torch, purestep.core as ps
         >>> t = ps.with_needs(ps.Transform(lambda p: (), lambda g, s, p=None, **e: (g, s)), ps.Needs())
         >>> ps.needs_of(t)
-        Needs(whole_leaves=False, stacks=True, rules=(), per_row_state=False, reductions=(), flat=None, sharded=None, parts=None, bounded=False)
+        Needs(whole_leaves=False, stacks=True, rules=(), per_row_state=False, reductions=(), flat=None, sharded=None, parts=None, bounded=False, phase=None)
     """
     if not isinstance(needs, Needs):
         raise ValueError(f"needs must be a ps.Needs, got {type(needs).__name__}")
@@ -207,6 +213,7 @@ class Resolved:
     reductions: set[str] = dataclasses.field(default_factory=set)
     whole_leaves: bool = False
     rule_values: dict[tuple, dict[int, Any]] = dataclasses.field(default_factory=dict)  # rule key -> leaf -> value
+    phases: list[Phase] = dataclasses.field(default_factory=list)  # the branches known on the host
 
 
 def _tag(value: Any) -> Any:
@@ -250,6 +257,8 @@ def _resolve(transform: Any, tree: Any, index: list[int], out: Resolved) -> None
     if needs.sharded is not None and out.not_sharded is None:
         out.not_sharded = needs.sharded
     out.reductions |= set(needs.reductions)
+    if needs.phase is not None and needs.phase not in out.phases:
+        out.phases.append(needs.phase)
     if needs.parts is not None:
         for inner, keep in needs.parts(tree):
             if keep is None:
@@ -279,6 +288,7 @@ def plan(transform: Any, params: Any, *, tags: list[tuple] | None = None, shard:
     groups = group_leaves(pairs, [a + b for a, b in zip(extra, res.tags)])
     pack = PackSpec(groups, spec, meta, shard, per_row_state=res.per_row_state, rule_values=res.rule_values)
     pack.summary = describe(res, groups, pairs)
+    pack.phases = res.phases
     _prepare(transform, pack)
     return pack
 

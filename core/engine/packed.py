@@ -119,6 +119,7 @@ class PackSpec:
         self.rule_values = rule_values or {}  # per-leaf rule values the planner read: rule key -> leaf index -> value
         self.per_row_state = per_row_state  # a transform declared per-row state (`holds`)
         self.summary = ""  # the grouping in words (`needs.describe`), for `explain()`
+        self.phases: list = []  # the branches the planner found known on the host (`clock.Phase`)
         self.shard = shard  # the `placement.Placement` when the leaves are this rank's blocks of DTensors
         self.orig_spec = orig_spec  # structure of the unpacked leaves, in `members_in_order`
         self.members_in_order = tuple(sorted((m for g in self.groups for m in g.members), key=lambda m: m.index))

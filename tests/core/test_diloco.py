@@ -129,7 +129,9 @@ def test_diloco_on_three_workers_equals_the_per_tensor_algorithm_with_torch_opti
     assert int(results[0][1].count) == steps
 
 
-def _streaming_reference(workers: int, steps: int, sync_every: int, fragments: list[list[str]], delay: int, alpha: float):
+def _streaming_reference(
+    workers: int, steps: int, sync_every: int, fragments: list[list[str]], delay: int, alpha: float
+):
     """Streaming DiLoCo per tensor, as torchft's `DiLoCo` runs it: a local step counter;
     at H/F - τ the next fragment's pseudo-gradient (backup - θ) is averaged over the workers,
     at H/F its params are restored to the backup, torch.optim.SGD (one optimizer, grads set
@@ -275,7 +277,9 @@ def test_sparseloco_equals_its_algorithm_per_tensor_on_three_workers():
 
     def make(gather):
         compression = ps.TopK(density=density, chunk=chunk, bits=2, error_decay=0.95)
-        return ps.diloco(ps.adamw(0.05, weight_decay=0.1), ps.sgd(1.0), sync_every, compression=compression, gather=gather)
+        return ps.diloco(
+            ps.adamw(0.05, weight_decay=0.1), ps.sgd(1.0), sync_every, compression=compression, gather=gather
+        )
 
     results, exchange = _run_workers(workers, steps, make, _ThreadGather)
     ref_local, ref_error = _sparseloco_reference(workers, steps, sync_every, chunk, density)
@@ -369,10 +373,15 @@ def test_compiled_donated_diloco_equals_eager_without_recompiles_and_communicate
 ):
     """MuLoCo's recipe in small (Muon inner, Nesterov outer), plain and streaming with SparseLoCo, through
     make_update(compile=True, donate=True) with a real collective as `reduce`: the same params
-    as eager, one graph, an all_reduce on sync calls only."""
+    as eager, two programs at most (the quiet calls', the syncs'), each compiled once, an
+    all_reduce on sync calls only."""
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(0)
-    params = {"w1": torch.randn(8, 8, generator=g), "w2": torch.randn(8, 8, generator=g), "b": torch.randn(8, generator=g)}
+    params = {
+        "w1": torch.randn(8, 8, generator=g),
+        "w2": torch.randn(8, 8, generator=g),
+        "b": torch.randn(8, generator=g),
+    }
     # Newton-Schulz in float32: what is checked here is the wrapper (bf16's emulation is Muon's own test)
     inner = ps.muon_adamw(0.02, adamw_lr=0.01, ns_dtype=torch.float32)
     outer = ps.sgd(0.7, momentum=0.9, nesterov=True)
@@ -386,11 +395,49 @@ def test_compiled_donated_diloco_equals_eager_without_recompiles_and_communicate
     counts = []
     for i in range(7):
         grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
-        with torch.compiler.set_stance("fail_on_recompile" if i >= 2 else "default"):
+        with torch.compiler.set_stance("fail_on_recompile" if i >= 3 else "default"):
             counts.append(_collectives(lambda: compiled(p, grads, s)))
         p_ref, s_ref = eager(p_ref, grads, s_ref)
     assert compiled.explain().startswith("flat"), compiled.explain()
     assert [c > 0 for c in counts[1:]] == syncs, counts  # (the first call compiles: tracing dispatches it too)
+    for k in params:
+        torch.testing.assert_close(p[k], p_ref[k], rtol=1e-5, atol=1e-6, msg=k)
+        torch.testing.assert_close(s.anchor[k], s_ref.anchor[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_quiet_calls_run_a_program_of_their_own_and_the_host_count_follows_a_state_loaded_in_place():
+    """The donated compiled step knows on the host which calls sync (`engine.clock`): the calls
+    between syncs run a program of their own (no `torch.cond`: compiled at the first call,
+    the sync calls' at the first sync, nothing after), and a state written in place (a
+    checkpoint loaded into the same tensors, the count with it) is counted from its own
+    count, not from the calls made so far."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    opt = ps.diloco(ps.adamw(0.05), ps.sgd(0.7, momentum=0.9, nesterov=True), 4)
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(6, 5, generator=g), "b": torch.randn(5, generator=g)}
+    grads = [{k: torch.randn(v.shape, generator=g) for k, v in params.items()} for _ in range(9)]
+    compiled, eager = ps.make_update(opt, compile=True, donate=True), ps.make_update(opt)
+    p, s = {k: v.clone() for k, v in params.items()}, opt.init(params)
+    compiles = []
+    for i in range(9):
+        if i == 2:
+            saved = ps.tree_map(lambda x: x.clone(), (p, s))  # after 2 calls
+        before = counters["stats"]["unique_graphs"]
+        compiled(p, grads[i], s)
+        compiles.append(counters["stats"]["unique_graphs"] - before)
+    assert compiled.explain().startswith("flat"), compiled.explain()
+    assert compiles == [1, 0, 0, 1, 0, 0, 0, 0, 0], compiles  # call 1 (quiet) and call 4 (a sync) compile
+    # Load the state after call 2 into the same tensors: calls 3 and 4 come next (4 syncs).
+    with torch.no_grad():
+        for dst, src in zip(ps.tree_leaves((p, s)), ps.tree_leaves(saved)):
+            dst.copy_(src)
+    p_ref, s_ref = saved
+    for i in range(2, 8):
+        compiled(p, grads[i], s)
+        p_ref, s_ref = eager(p_ref, grads[i], s_ref)
+    assert int(s.count) == 8
     for k in params:
         torch.testing.assert_close(p[k], p_ref[k], rtol=1e-5, atol=1e-6, msg=k)
         torch.testing.assert_close(s.anchor[k], s_ref.anchor[k], rtol=1e-5, atol=1e-6, msg=k)

@@ -23,7 +23,7 @@ import purestep.core as ps
 
 from . import distributed as D
 from ._report import MetricsFile, log
-from .checkpoint import MANIFEST, Checkpoint, CheckpointManager, checkpoint_dir, read_manifest
+from .checkpoint import MANIFEST, Checkpoint, CheckpointManager, checkpoint_dir, read_manifest, read_worker
 from .config import resume_changes
 from .errors import CheckpointError, ConfigError, RunDirError
 
@@ -120,6 +120,10 @@ class RunDir:
     def __init__(self, out: str | Path | None, config: Any, world: Any, *, sharded: bool) -> None:
         self.out = Path(out) if out is not None else None
         self.config, self.world = config, world
+        # DiLoCo's workers each train their own params and inner state between syncs: the files
+        # layout (whole tensors, gathered within a worker) with one file per worker beyond the first.
+        self.worker = D.worker_of(world) if config.diloco.sync_every is not None else None
+        index, _, leads = self.worker or (0, 1, False)
         self.checkpoints = (
             None
             if self.out is None
@@ -127,8 +131,9 @@ class RunDir:
                 self.out,
                 keep_last=config.keep_last or 1 << 30,
                 world=world,
-                distributed=sharded,
+                distributed=sharded and self.worker is None,
                 background=config.async_checkpoint,
+                worker=index if leads and index >= 1 else None,
             )
         )
         self.metrics = MetricsFile(self.out / "metrics.jsonl" if self.out else None, world.main)
@@ -157,7 +162,11 @@ class RunDir:
             ema=state.ema,
             config=self.config,
             data_state={"step": step, "seed": self.config.seed},
-            metadata={"trainer": state.loop.state_dict(), "world_size": self.world.size},
+            metadata={
+                "trainer": state.loop.state_dict(),
+                "world_size": self.world.size,
+                **({"workers": self.worker[1]} if self.worker else {}),
+            },
         )
         self.saved_at = step
         return path
@@ -176,11 +185,30 @@ class RunDir:
         D.copy_into_(state.opt_state, c.opt_state)
         if state.ema is not None:
             D.copy_into_(state.ema, c.ema)
+        self._own_worker_state(state, c)
         state.loop.load_state_dict({**c.manifest.metadata.get("trainer", {}), "step": c.step})
         self.saved_at = c.step
         if self.world.size == c.manifest.metadata.get("world_size", 1):
             c.restore_rng()
         return c
+
+    def _own_worker_state(self, state: TrainState, c: Checkpoint) -> None:
+        """Each DiLoCo worker beyond the first takes its own params and state from its file (a
+        checkpoint of as many workers); with another number of workers every worker goes on
+        from worker 0's."""
+        if self.worker is None:
+            return
+        index, count, _ = self.worker
+        saved = c.manifest.metadata.get("workers", 1)
+        if saved != count:
+            if self.world.main:
+                log(
+                    f"warning: {self.checkpoint_path(c.step).name} was written by {saved} DiLoCo worker(s), this run "
+                    f"has {count}: every worker goes on from worker 0's params and optimizer state"
+                )
+            return
+        if index >= 1:
+            read_worker(self.checkpoint_path(c.step), c.manifest, index, (state.params, state.opt_state, state.ema))
 
     def open(self, state: TrainState, resume: bool, hyperparams: dict[str, Any]) -> bool:
         """Hold the run directory and prepare it for training, resuming into `state` if asked (a

@@ -125,8 +125,19 @@ def setup(strategy: str = "single", device: str | None = None, *, replicate: int
             os.environ.setdefault("RANK", "0")
             os.environ.setdefault("WORLD_SIZE", "1")
         backend = "nccl" if dev.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(minutes=10)
+        # torchrun's restarts (--max-restarts) keep the agent's store, and with it the keys the
+        # ranks of the failed attempt left there (gloo's addresses, NCCL's id): a restarted rank
+        # would connect to a dead peer. Each attempt gets keys of its own.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        store, at, of = next(dist.rendezvous("env://", timeout=timeout)) if attempt else (None, -1, -1)
         dist.init_process_group(
-            backend, timeout=datetime.timedelta(minutes=10), device_id=dev if dev.type == "cuda" else None
+            backend,
+            timeout=timeout,
+            device_id=dev if dev.type == "cuda" else None,
+            store=dist.PrefixStore(f"purestep/attempt_{attempt}/", store) if store is not None else None,
+            rank=at,
+            world_size=of,
         )
     return World(dist.get_rank(), dist.get_world_size(), local_rank, dev, strategy, replicas, tp or 1)
 
@@ -246,6 +257,19 @@ def _workers(world: World) -> tuple[Any, int] | None:
     if world.strategy == "ddp" and world.size > 1:
         return dist.group.WORLD, world.size
     return None
+
+
+def worker_of(world: World) -> tuple[int, int, bool] | None:
+    """This rank's DiLoCo worker (`_workers`): (its index, the number of workers, whether this
+    rank leads it: writes its checkpoint file), None for one worker. The worker of an HSDP
+    rank is its replica (`hsdp_mesh`: rank r is in replica r // shard), led by its first rank."""
+    workers = _workers(world)
+    if workers is None:
+        return None
+    if world.strategy == "hsdp":
+        shard = world.size // world.replicate
+        return world.rank // shard, workers[1], world.rank % shard == 0
+    return world.rank, workers[1], True
 
 
 def worker_mean(world: World) -> Callable[[Any], Any] | None:
@@ -373,6 +397,19 @@ def barrier(world: World) -> None:
     """Wait for every rank."""
     if world.size > 1:
         dist.barrier()
+
+
+def copy_whole_into_(dst: Tensor, whole: Tensor) -> None:
+    """`whole` (a plain tensor of `dst`'s global shape) into `dst`; a DTensor takes its own block."""
+    with torch.no_grad():
+        if not is_dtensor(dst):
+            dst.copy_(whole)
+            return
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        d = cast(Any, dst)
+        shape, offset = compute_local_shape_and_global_offset(d.shape, d.device_mesh, d.placements)
+        local(dst).copy_(whole[tuple(slice(o, o + n) for o, n in zip(offset, shape))])
 
 
 def copy_into_(dst_tree: Any, src_tree: Any) -> None:

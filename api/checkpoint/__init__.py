@@ -43,6 +43,7 @@ from ._format import read_header as read_header  # with verify_file: how `purest
 from ._format import read_manifest as read_manifest
 from ._format import verify_file as verify_file
 from ._io import Checkpoint as Checkpoint
+from ._io import read_worker as read_worker
 from ._io import verify_checkpoint as verify_checkpoint
 
 __all__ = [
@@ -222,6 +223,9 @@ class CheckpointManager:
       distributed: save in the sharded "dcp" layout (FSDP2: every rank writes its shards);
         otherwise rank 0 writes plain files (DTensor leaves gathered first). Loading reads
         either layout into any world.
+      worker: the index of the DiLoCo worker this rank leads (1 or more; files layout):
+        `save` writes this rank's trees as that worker's own file in the checkpoint
+        (`read_worker` reads them back); worker 0's are the checkpoint's trees.
       background: `save` returns once the state is copied to host memory (and, in the
         files layout, its DTensors gathered); a thread per rank writes the files, seals and
         publishes the checkpoint, its collectives on a process group of its own, as
@@ -250,8 +254,10 @@ class CheckpointManager:
         world: D.World | None = None,
         distributed: bool = False,
         background: bool = False,
+        worker: int | None = None,
     ) -> None:
         check_int("keep_last", keep_last, 1)
+        self.worker = worker
         self.run_dir, self.folder = Path(run_dir), Path(run_dir) / "checkpoints"
         self.keep_last, self.distributed, self.background = keep_last, distributed, bool(background)
         self._pending: store.Pending | None = None
@@ -339,6 +345,7 @@ class CheckpointManager:
             is_good=self._is_good,
             background=self.background,
             staging=self._staging,
+            worker=self.worker,
         )
         if isinstance(path, store.Pending):
             self._pending = path

@@ -20,12 +20,26 @@ from ._format import DTYPES, GROUPS, FileEntry, Manifest, read_header, write_ten
 from ._reader import Chunk
 
 
+def worker_file(worker: int) -> str:
+    """The file of a DiLoCo worker's own state (worker 0's is the group files)."""
+    return f"worker-{worker:05d}.safetensors"
+
+
 def write(
-    tmp: Path, state: dict[str, Tensor], order: dict[str, list[str]], world: D.World, group: Any = None
+    tmp: Path,
+    state: dict[str, Tensor],
+    order: dict[str, list[str]],
+    world: D.World,
+    group: Any = None,
+    worker: int | None = None,
 ) -> dict[str, FileEntry]:
     """Rank 0 writes one file per group into `tmp` (every rank calls: DTensors are gathered,
-    over the default process group; `group` is unused, staged trees hold no DTensors); its files."""
+    over the default process group; `group` is unused, staged trees hold no DTensors); its files.
+    `worker` (the index of the DiLoCo worker this rank leads, 1 or more): this rank writes
+    that worker's whole state, every group in one file (`worker_file`), instead."""
     state = D.full_tree(state)
+    if worker:
+        return {worker_file(worker): write_tensors(tmp / worker_file(worker), _host(state))}
     if not world.main:
         return {}
     files = {}

@@ -30,7 +30,7 @@ FORMAT = 1
 GROUPS = ("params", "opt_state", "ema")  # the trees a checkpoint holds, in this order
 # The files each layout writes: what a manifest of that layout may list.
 FILE_NAMES = {
-    "files": re.compile(r"(params|opt_state|ema|rng)\.safetensors"),
+    "files": re.compile(r"(params|opt_state|ema|rng)\.safetensors|worker-\d{5}\.safetensors"),  # + DiLoCo workers
     "dcp": re.compile(r"shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors|rng\.safetensors"),
 }
 LAYOUTS = tuple(FILE_NAMES)

@@ -94,10 +94,13 @@ def save(
     is_good: Callable[[Path], bool],
     background: bool = False,
     staging: dict | None = None,
+    worker: int | None = None,
 ) -> Path | "Pending":
     """The one save: rank 0 prepares a temporary directory, the layout writes into it, rank 0
     seals and publishes. `background`: a `Pending` save, returned once the state is copied
-    (into `staging`'s host buffers, kept there for the next save of the same trees)."""
+    (into `staging`'s host buffers, kept there for the next save of the same trees).
+    `worker`: on the rank that leads DiLoCo worker `worker` (1 or more), the files layout
+    writes this rank's trees as that worker's own file (`_files.worker_file`)."""
     check_int("step", step)
     if keep_last is not None:
         check_int("keep_last", keep_last, 1)
@@ -135,13 +138,15 @@ def save(
         order=order,
         complex=complex_keys,
     )
-    job = _Write(final, tmp, layout, manifest, generators, keep_last, world)
+    if worker and layout != "files":
+        raise ValueError("a DiLoCo worker's own state is written in the files layout")
+    job = _Write(final, tmp, layout, manifest, generators, keep_last, world, worker or None)
     if not background:
         job.run(state, None, background=False)
         if job.outcome is not None:
             raise CheckpointError(job.outcome)
         return final
-    staged = _stage(layout, state, world, staging if staging is not None else {})
+    staged = _stage(layout, state, world, staging if staging is not None else {}, keep=bool(worker))
     group = D.side_group(world)  # made here, by every rank together, before any thread uses it
     thread = threading.Thread(target=job.run, args=(staged, group, True), name=f"purestep-save-{step}", daemon=True)
     thread.start()
@@ -172,9 +177,9 @@ class _Write:
     """The layout's write into the temporary directory, then rank 0 seals and publishes;
     `outcome` is None or the error every rank raises."""
 
-    def __init__(self, final, tmp, layout, manifest, generators, keep_last, world) -> None:
+    def __init__(self, final, tmp, layout, manifest, generators, keep_last, world, worker=None) -> None:
         self.final, self.tmp, self.layout, self.manifest = final, tmp, layout, manifest
-        self.generators, self.keep_last, self.world = generators, keep_last, world
+        self.generators, self.keep_last, self.world, self.worker = generators, keep_last, world, worker
         self.outcome: str | None = None
         self.finished = threading.Event()
 
@@ -188,7 +193,8 @@ class _Write:
         final, tmp, world = self.final, self.tmp, self.world
         try:
             try:
-                mine, error = _LAYOUT[self.layout].write(tmp, state, self.manifest.order, world, group), None
+                own = {"worker": self.worker} if self.worker else {}  # a DiLoCo worker's own file
+                mine, error = _LAYOUT[self.layout].write(tmp, state, self.manifest.order, world, group, **own), None
             except BaseException as e:  # DCP raises its failures as a BaseException; an interrupt inside it stays one
                 if not isinstance(unwrap(e), Exception):
                     raise unwrap(e) from None
@@ -228,17 +234,17 @@ class _Write:
             self.outcome = f"{final}: cannot write the checkpoint: {reason(e)}"
 
 
-def _stage(layout: str, state: dict[str, Tensor], world: D.World, cache: dict) -> dict[str, Tensor]:
+def _stage(layout: str, state: dict[str, Tensor], world: D.World, cache: dict, keep: bool = False) -> dict[str, Tensor]:
     """What a background write reads: a copy in host memory of this rank's part (the files
-    layout: the gathered tensors, on rank 0; DTensors keep their placements, their local
-    blocks copied), taken now, so that training may go on changing the originals. The host
+    layout: the gathered tensors, on rank 0, and on a rank that writes its DiLoCo worker's
+    file (`keep`); DTensors keep their placements, their local blocks copied), taken now, so that training may go on changing the originals. The host
     buffers are made once per layout of the trees and kept in `cache` (pinned when the
     state is on CUDA): a later save only copies, at memory speed."""
     from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
     if layout == "files":
         state = D.full_tree(state)  # a collective over the default group, here on the loop's thread
-        if not world.main:
+        if not world.main and not keep:
             return {}
     key = (
         layout,
@@ -416,6 +422,26 @@ def load(
             None if not present else dict(zip(paths, leaves)) if spec is None else ps.tree_unflatten(leaves, spec)
         )
     return Checkpoint(trees[0], trees[1], trees[2], manifest.step, manifest, rng)
+
+
+def read_worker(root: Path, manifest: Manifest, worker: int, trees: tuple[Any, Any, Any]) -> None:
+    """DiLoCo worker `worker`'s own state (its file, written by `save(..., worker=)`) into
+    `trees` (params, opt_state, ema: plain tensors or DTensors, each taking its own block),
+    in place. The checkpoint is one `load` verified (its manifest hashes the worker files)."""
+    name = _files.worker_file(worker)
+    if name not in manifest.files:
+        raise CheckpointError(f"{root}: holds no state of DiLoCo worker {worker} ({name})")
+    saved = read_tensors(root / name)
+    state, _, _ = _flat_state(trees)
+    for fqn, dst in state.items():
+        src = saved.get(fqn)
+        if src is None or tuple(src.shape) != tuple(dst.shape) or src.dtype != dst.dtype:
+            got = "nothing" if src is None else f"{list(src.shape)} {src.dtype}"
+            raise CheckpointError(f"{root / name}: '{fqn}' is {got}, but {list(dst.shape)} {dst.dtype} here")
+        D.copy_whole_into_(dst, src)
+    extra = sorted(set(saved) - set(state))
+    if extra:
+        raise CheckpointError(f"{root / name}: holds '{extra[0]}', which this run lacks ({len(extra)} extra)")
 
 
 def _complex_of(real: torch.dtype) -> torch.dtype | None:

@@ -1,6 +1,6 @@
 """A tiny training run for the api tests; launched in process, as a subprocess, or under torchrun.
 
-`python tests/api/_worker.py OUT STRATEGY STEPS [--resume] [--nan-at STEP] [--set k=v ...]`
+`python tests/api/_worker.py OUT STRATEGY STEPS [--resume] [--nan-at STEP] [--die-at STEP] [--set k=v ...]`
 `python tests/api/_worker.py save-forever OUT`: checkpoint after checkpoint until killed
 `torchrun ... tests/api/_worker.py checkpoint-drill OUT`: the CheckpointManager on FSDP2-sharded trees
 """
@@ -41,8 +41,11 @@ def tiny_config(*overrides: str) -> TrainConfig:
     return apply_overrides(TrainConfig(), [*TINY, *overrides])
 
 
-def trainer(out: Path | None, *overrides: str, nan_at: int | None = None, spikes: tuple[int, ...] = ()):
-    """A Trainer of the tiny config; NaN gradients at batch `nan_at` (rank 0 only), x100 loss at `spikes`."""
+def trainer(
+    out: Path | None, *overrides: str, nan_at: int | None = None, spikes: tuple[int, ...] = (), die_at: int | None = None
+):
+    """A Trainer of the tiny config; NaN gradients at batch `nan_at` (rank 0 only), x100 loss at
+    `spikes`; rank 1 killed (`os._exit`) at batch `die_at` of torchrun's first attempt."""
     t = build_trainer(tiny_config(*overrides), out, progress=False)
     inner = t.loss_fn
 
@@ -50,6 +53,9 @@ def trainer(out: Path | None, *overrides: str, nan_at: int | None = None, spikes
         loss, n = inner(model, batch)
         if t.step == nan_at and t.world.rank == 0:
             loss = NanGrad.apply(loss)
+        if t.step == die_at and t.world.rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            print(f"rank 1 dies at step {t.step}", flush=True)
+            os._exit(3)
         if t.step in spikes:
             loss = loss * 100
         return loss, n
@@ -206,10 +212,11 @@ if __name__ == "__main__":
     p.add_argument("steps", type=int)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--nan-at", type=int)
+    p.add_argument("--die-at", type=int)
     p.add_argument("--set", dest="overrides", action="append", default=[])
     a = p.parse_args()
     torch.set_num_threads(1)
-    t = trainer(a.out, f"strategy={a.strategy}", f"steps={a.steps}", *a.overrides, nan_at=a.nan_at)
+    t = trainer(a.out, f"strategy={a.strategy}", f"steps={a.steps}", *a.overrides, nan_at=a.nan_at, die_at=a.die_at)
     t.fit(resume=a.resume)
     if int(os.environ.get("RANK", "0")) == 0:
         print("done", t.step, t.updates)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from purestep.api import load_checkpoint
+from purestep.api.checkpoint._format import read_tensors
 
 from ._worker import trainer
 
@@ -26,8 +27,9 @@ WORKER = Path(__file__).with_name("_worker.py")
 ON_CPU = torch.cuda.device_count() < 2  # fewer GPUs than ranks: every rank, and the references, on the CPU
 
 
-def torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(WORKER), *args]
+def torchrun(*args: str, nproc: int = 2, restarts: int = 0) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd += [f"--max-restarts={restarts}", str(WORKER), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **({"CUDA_VISIBLE_DEVICES": ""} if ON_CPU else {})}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -258,6 +260,36 @@ def test_diloco_under_ddp_and_hsdp_makes_ranks_or_replicas_workers_and_syncing_e
     for k, p in ref.named.items():
         torch.testing.assert_close(got.params[k], p.detach(), rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(got.opt_state[f"anchor.{k}"], p.detach(), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("strategy, nproc, extra", [("ddp", 2, ()), ("hsdp", 4, ("replicate=2",))])
+def test_a_killed_diloco_worker_costs_the_steps_since_the_checkpoint_and_each_worker_resumes_its_own_state(
+    tmp_path, same_device_as_the_ranks, strategy, nproc, extra
+):
+    """DiLoCo (Muon + AdamW inside, Nesterov outside, a sync every 2 steps, checkpoints every
+    4), each DDP rank or each HSDP replica (of 2 ranks) a worker: rank 1 is killed at step 6;
+    torchrun restarts every rank, which resume at step 4, each worker with its own params and
+    inner state (worker 1's from its file in the checkpoint, each rank taking its block), and
+    end on the bits of the run that was never killed."""
+    sets = [f"--set={o}" for o in ("diloco.sync_every=2", "checkpoint_every=4", *extra)]
+    torchrun(str(tmp_path / "whole"), strategy, "8", *sets, nproc=nproc)
+    killed = torchrun(str(tmp_path / "killed"), strategy, "8", "--resume", "--die-at", "6", *sets, nproc=nproc, restarts=1)
+    assert "rank 1 dies at step 6" in killed.stdout and "at step 4" in killed.stderr + killed.stdout, killed.stderr[-2000:]
+    for step in ("step_00000004", "step_00000008"):
+        ran = {run: tmp_path / run / "checkpoints" / step for run in ("whole", "killed")}
+        main = {run: load_checkpoint(path) for run, path in ran.items()}
+        own = {run: read_tensors(path / "worker-00001.safetensors") for run, path in ran.items()}
+        for key, value in own["whole"].items():
+            assert torch.equal(own["killed"][key], value), (step, key)
+        for tree in ("params", "opt_state"):
+            for key, value in getattr(main["whole"], tree).items():
+                assert torch.equal(getattr(main["killed"], tree)[key], value), (step, tree, key)
+    # The workers' inner states differ between syncs (the file is not worker 0's again)...
+    inner = [k for k in own["whole"] if k.startswith("opt_state.inner_state") and own["whole"][k].is_floating_point()]
+    assert any(not torch.equal(own["whole"][k], main["whole"].opt_state[k.removeprefix("opt_state.")]) for k in inner)
+    # ...while the anchor is the workers' common one.
+    anchor = [k for k in own["whole"] if k.startswith("opt_state.anchor.")]
+    assert anchor and all(torch.equal(own["whole"][k], main["whole"].opt_state[k.removeprefix("opt_state.")]) for k in anchor)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -19,11 +19,12 @@ def plain_branch(pred: Tensor) -> bool:
     return not torch.compiler.is_compiling() and pred.device.type == "cpu" and not compat.under_vmap()
 
 
-def cond(pred: Tensor, true_fn: Any, false_fn: Any, operands: tuple) -> Any:
+def cond(pred: Tensor, true_fn: Any, false_fn: Any, operands: tuple, host: bool = False) -> Any:
     """`torch.cond`, for compiled code and devices where reading `pred` would wait for the
-    device; a plain branch where `plain_branch`. Eagerly elsewhere the cond traces its branches for
+    device; a plain branch where `plain_branch`, or eagerly with `host` (a branch that runs host
+    code: `pred` is read, waiting for the device). Eagerly elsewhere the cond traces its branches for
     each leaf's shapes as they are (static: leaves of many shapes must not turn them symbolic)."""
-    if plain_branch(pred):
+    if plain_branch(pred) or (host and not torch.compiler.is_compiling() and not compat.under_vmap()):
         return true_fn(*operands) if bool(pred) else false_fn(*operands)
     if not torch.compiler.is_compiling():
         for x in operands:

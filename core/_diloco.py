@@ -45,6 +45,7 @@ def diloco(
     alpha: float = 0.0,
     compression: TopK | None = None,
     gather: Callable[[PyTree], PyTree] | None = None,
+    commit: Callable[[], bool] | None = None,
 ) -> Transform:
     """DiLoCo: `inner` on every update, an outer step on the workers' mean every `sync_every`.
 
@@ -87,6 +88,11 @@ def diloco(
         The workers exchange the compressed form through `gather` (`reduce` is not used).
       gather: with `compression`, the exchange: a function on trees giving each leaf with a
         new leading dim of workers (an all_gather); None for one worker.
+      commit: the workers' vote on a sync, taken at its outer step, after its exchange
+        (torchft's `Manager.should_commit`: `purestep.api.TorchFT`). False drops the sync as
+        torchft's DiLoCo does: the anchor and the outer state stay, and the params go back to
+        the anchor (this worker's steps since the last sync are lost). A host function: the
+        syncs are then decided on the host (the count read, eagerly; not under compile).
 
     Examples:
         >>> import torch, purestep.core as ps
@@ -121,6 +127,8 @@ def diloco(
         raise ValueError("reduce is not used with compression: the workers exchange the compressed form through gather")
     if compression is None and gather is not None:
         raise ValueError("gather exchanges compressed pseudo-gradients: it needs compression=ps.TopK(...)")
+    if commit is not None and not callable(commit):
+        raise ValueError(f"commit must be a function returning a bool or None, got {type(commit).__name__}")
     mean = _Mean(reduce, compression, gather)
     rule = Rule("fragments", fragments, lambda tree: _fragment_of(tree, fragments))
     streaming = fragments > 1
@@ -156,6 +164,8 @@ def diloco(
         tr.check_match(grads, state.anchor, "grads", "params")
         updates, inner_state = inner.update(grads, state.inner_state, params, **extra)
         calls = state.count + 1
+        if commit is not None and torch.compiler.is_compiling():
+            raise ValueError("diloco's commit is a host vote: run it eagerly (make_update(..., compile=False))")
         if quiet(phase.key):  # the host knows no fragment syncs on this call: no branch, nothing copied
             return updates, state._replace(count=calls, inner_state=inner_state)
         spec = pytree.tree_structure(params)
@@ -166,21 +176,21 @@ def diloco(
         for f, (idx, sub) in enumerate(parts_of(params)):
             due = dues[f]
             o, o_spec = pytree.tree_flatten(outers[f])
-            sync = _Sync(pytree.tree_structure(sub), o_spec, outer, mean, alpha, len(idx), plain_branch(calls), delay)
+            host = commit is not None or plain_branch(calls)  # a host vote: the branch is taken on the host
+            sync = _Sync(pytree.tree_structure(sub), o_spec, outer, mean, alpha, len(idx), host, delay, commit)
             a, p, u = ([xs[j] for j in idx] for xs in (anchor, ps_, us))
             e = [error[j] for j in idx] if error else []
             if delay:  # the pseudo-gradient averaged `delay` calls before its outer step
                 took = (calls + delay) % sync_every == due
-                carried = cond(took, sync.average, sync.last, (*a, *p, *u, *[pending[j] for j in idx], *e))
+                carried = cond(took, sync.average, sync.last, (*a, *p, *u, *[pending[j] for j in idx], *e), host)
                 for j, x in zip(idx, carried):
                     pending[j] = x
                 for j, x in zip(idx, carried[len(idx) :]):
                     error[j] = x
-                out = cond(
-                    calls % sync_every == due, sync.step_averaged, sync.keep, (*a, *p, *u, *o, *carried[: len(idx)])
-                )
+                ops = (*a, *p, *u, *o, *carried[: len(idx)])
+                out = cond(calls % sync_every == due, sync.step_averaged, sync.keep, ops, host)
             else:
-                out = cond(calls % sync_every == due, sync.step, sync.keep, (*a, *p, *u, *o, *e))
+                out = cond(calls % sync_every == due, sync.step, sync.keep, (*a, *p, *u, *o, *e), host)
             n, k = len(idx), len(o)
             for i, j in enumerate(idx):
                 moves[j], anchor[j] = out[i], out[n + i]
@@ -257,9 +267,19 @@ class _Sync:
     the error feedback; `average` the averaged pseudo-gradient and the error feedback."""
 
     def __init__(
-        self, spec: Any, outer_spec: Any, outer: Transform, mean: _Mean, alpha: float, n: int, plain: bool, delay: int
+        self,
+        spec: Any,
+        outer_spec: Any,
+        outer: Transform,
+        mean: _Mean,
+        alpha: float,
+        n: int,
+        plain: bool,
+        delay: int,
+        commit: Callable[[], bool] | None = None,
     ) -> None:
         self.spec, self.outer_spec, self.outer, self.mean, self.alpha, self.n = spec, outer_spec, outer, mean, alpha, n
+        self.commit = commit
         # the step's cond carries the error feedback (with a delay, the average's cond does)
         self.carries_error = mean.compression is not None and not delay
         self.copy = as_is if plain else fresh  # cond outputs are new tensors; a plain branch's need not be
@@ -293,6 +313,8 @@ class _Sync:
         it (`lerp(new anchor, θ, alpha)`)."""
         n = self.n
         a, p, u, o = ops[:n], ops[n : 2 * n], ops[2 * n : 3 * n], ops[3 * n :]
+        if self.commit is not None and not self.commit():  # the workers dropped this sync: back to the anchor
+            return self._out((*[(ai - pi).to(ui.dtype) for ai, pi, ui in zip(a, p, u)], *a, *o))
         state = pytree.tree_unflatten(list(o), self.outer_spec)
         step, new_state = self.outer.update(_unflat(averaged, self.spec), state, _unflat(a, self.spec))
         anchor = [ai + si.to(ai.dtype) for ai, si in zip(a, self.spec.flatten_up_to(step))]

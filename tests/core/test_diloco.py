@@ -441,3 +441,38 @@ def test_quiet_calls_run_a_program_of_their_own_and_the_host_count_follows_a_sta
     for k in params:
         torch.testing.assert_close(p[k], p_ref[k], rtol=1e-5, atol=1e-6, msg=k)
         torch.testing.assert_close(s.anchor[k], s_ref.anchor[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_a_sync_the_workers_do_not_commit_leaves_the_anchor_and_puts_the_params_back_on_it():
+    """`commit` (torchft's should_commit): a sync voted down keeps the anchor and the outer
+    state and drops the steps since the last sync (torchft's DiLoCo); the next sync counts
+    from there. Compiled, a host vote is refused."""
+    votes = iter([True, False, True])
+    opt = ps.diloco(ps.adamw(0.1), ps.sgd(0.7, momentum=0.9, nesterov=True), 2, commit=lambda: next(votes))
+    ref = ps.diloco(ps.adamw(0.1), ps.sgd(0.7, momentum=0.9, nesterov=True), 2)
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(3, 2, generator=g)}
+    grads = [{"w": torch.randn(3, 2, generator=g)} for _ in range(6)]
+    p, s = dict(params), opt.init(params)
+    q, r = dict(params), ref.init(params)
+    for i in range(6):
+        u, s = opt.update(grads[i], s, p)
+        p = ps.apply_updates(p, u)
+        if i == 3:  # the vote at the second sync: dropped
+            torch.testing.assert_close(p["w"], s.anchor["w"])
+            torch.testing.assert_close(s.anchor["w"], anchor_after_first["w"])
+            torch.testing.assert_close(s.outer_state, outer_after_first)
+            # the reference goes on from there (the inner update of the dropped call stays)
+            r, q = s, dict(p)
+            continue
+        v, r = ref.update(grads[i], r, q)
+        q = ps.apply_updates(q, v)
+        if i == 1:
+            anchor_after_first = {"w": s.anchor["w"].clone()}
+            outer_after_first = ps.tree_map(lambda x: x.clone(), s.outer_state)
+            assert not torch.equal(anchor_after_first["w"], params["w"])
+    torch.testing.assert_close(p["w"], q["w"])
+    torch.testing.assert_close(s.anchor["w"], r.anchor["w"])
+    compiled = ps.make_update(opt, compile=True, donate=False)
+    with pytest.raises(Exception, match="host vote"):
+        compiled(params, grads[0], opt.init(params))

@@ -19,6 +19,7 @@ from .config import load_config as load_config
 from .errors import CheckpointError as CheckpointError
 from .errors import ConfigError as ConfigError
 from .errors import RunDirError as RunDirError
+from .fault_tolerance import TorchFT as TorchFT
 from .optimizer import Optimizer as Optimizer
 from .trainer import Trainer as Trainer
 
@@ -42,6 +43,7 @@ __all__: list[str] = [
     "DiLoCoConfig",
     "ConfigError",
     "RunDirError",
+    "TorchFT",
     "load_config",
     "apply_overrides",
 ]

@@ -135,67 +135,81 @@ def _manager(address: str, name: str, stores: list):
     )
 
 
+class _Fragment(torch.nn.Module):
+    def __init__(self, name: str, value: torch.Tensor) -> None:
+        super().__init__()
+        self.register_parameter(name, torch.nn.Parameter(value))
+
+
 class _Linear(torch.nn.Module):
+    """`W.init_params()` as a module of two fragments (torchft's streaming syncs modules):
+    `w` then `b`, the leaves `ps.diloco(fragments=2)` cuts the same params into."""
+
     def __init__(self) -> None:
         super().__init__()
         p = W.init_params()
-        self.w, self.b = torch.nn.Parameter(p["w"]), torch.nn.Parameter(p["b"])
+        self.fw, self.fb = _Fragment("w", p["w"]), _Fragment("b", p["b"])
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {"w": self.fw.w, "b": self.fb.b}
 
 
-def test_the_adapter_runs_as_torchfts_inner_and_outer_optimizer_and_all_three_equal_torchfts_diloco():
+@pytest.mark.parametrize(
+    "sync_every, streaming",
+    [(3, {}), (4, {"fragments": 2, "delay": 1, "alpha": 0.5})],
+    ids=["diloco", "streaming"],
+)
+def test_the_adapter_runs_as_torchfts_optimizers_and_ps_diloco_over_torchft_equals_torchfts_diloco(
+    sync_every, streaming
+):
     """torchft's own DiLoCo (hooks on the inner optimizer, the pseudo-gradient written into
-    `.grad`, `outer.step()`, the optimizers' state dicts registered with the manager) with
-    `purestep.api.Optimizer` as both optimizers, and `ps.diloco` through `TorchFT`, against
-    torchft's DiLoCo over torch.optim's AdamW and Nesterov SGD: one replica group, 3 syncs of
-    H = 3, the same params (float64)."""
+    `.grad`, `outer.step()`) with `purestep.api.Optimizer` as both optimizers, and `ps.diloco`
+    through `TorchFT`, against torchft's DiLoCo over torch.optim's AdamW and Nesterov SGD: one
+    replica group, 3 rounds of H calls, the same params (float64). Streaming: 2 fragments, the
+    exchange a call before the outer step, alpha 0.5 (torchft's `fragment_sync_delay`,
+    `fragment_update_alpha`), where `TorchFT` keeps the quorum open from exchange to vote."""
     from torchft.local_sgd import DiLoCo
 
     from purestep.api import Optimizer, TorchFT
 
     server, address = _lighthouse(join_timeout_ms=100, quorum_tick_ms=10, heartbeat_timeout_ms=1000)
-    calls = 3 * W.H
+    calls, fragments = 3 * sync_every, streaming.get("fragments", 1)
+    syncs = 3 * fragments  # each fragment once per round: one manager step each
+    options = {"fragment_sync_delay": streaming.get("delay", 0), "fragment_update_alpha": streaming.get("alpha", 0.0)}
     ends, stores = {}, []
     try:
         for run in ("torch.optim", "adapter"):
             manager, model = _manager(address, run, stores), _Linear()
+            parts = [model.fw, model.fb] if fragments > 1 else [model]
             if run == "torch.optim":
                 inner = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
-                outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+                outer = [torch.optim.SGD(m.parameters(), lr=0.7, momentum=0.9, nesterov=True) for m in parts]
             else:
                 inner = Optimizer(model.named_parameters(), ps.adamw, lr=0.05, weight_decay=0.01)
-                outer = Optimizer(model.named_parameters(), ps.sgd, lr=0.7, momentum=0.9, nesterov=True)
-            with DiLoCo(
-                manager, [model], inner, outer, sync_every=W.H, backup_device=torch.device("cpu"), pin_memory=False
-            ):
+                outer = [Optimizer(m.named_parameters(), ps.sgd, lr=0.7, momentum=0.9, nesterov=True) for m in parts]
+            cpu = torch.device("cpu")
+            with DiLoCo(manager, parts, inner, outer, sync_every, backup_device=cpu, pin_memory=False, **options):
                 for call in range(1, calls + 1):
                     inner.zero_grad()
-                    grads = W.grads_at({"w": model.w, "b": model.b}, 0, call)
-                    model.w.grad, model.b.grad = grads["w"], grads["b"]
+                    grads = W.grads_at(model.params(), 0, call)
+                    model.fw.w.grad, model.fb.b.grad = grads["w"], grads["b"]
                     inner.step()
-            assert manager.current_step() == 3  # three syncs, each committed
-            # The outer state crosses to a group that heals as torch's state dict does.
-            saved = outer.state_dict()
-            fresh = (
-                Optimizer(_Linear().named_parameters(), ps.sgd, lr=0.7, momentum=0.9, nesterov=True)
-                if run == "adapter"
-                else None
-            )
-            if fresh is not None:
-                fresh.load_state_dict(copy.deepcopy(saved))
-                torch.testing.assert_close(fresh.state_dict()["state"], saved["state"])
-                torch.optim.SGD(_Linear().parameters(), lr=0.7, momentum=0.9, nesterov=True).load_state_dict(saved)
-            ends[run] = {"w": model.w.detach().clone(), "b": model.b.detach().clone()}
+            assert manager.current_step() == syncs  # every sync committed
+            if run == "adapter":  # its state dict is torch's: a group healing from it loads it as such
+                saved = outer[0].state_dict()
+                torch.optim.SGD(parts[0].parameters(), lr=0.7, momentum=0.9, nesterov=True).load_state_dict(saved)
+            ends[run] = {k: v.detach().clone() for k, v in model.params().items()}
             manager.shutdown(wait=False)
         manager = _manager(address, "functional", stores)
         ft = TorchFT(manager)
-        opt = ft.diloco(*W.inner_outer(), W.H)
+        opt = ft.diloco(*W.inner_outer(), sync_every, **streaming)
         params = W.init_params()
         state = opt.init(params)
         update = ps.make_update(opt, donate=True)
         for call in range(1, calls + 1):
             ft.begin(state)
             update(params, W.grads_at(params, 0, call), state)
-        assert manager.current_step() == 3
+        assert manager.current_step() == syncs
         ends["ps.diloco"] = params
         manager.shutdown(wait=False)
     finally:

@@ -237,9 +237,10 @@ class _Write:
 def _stage(layout: str, state: dict[str, Tensor], world: D.World, cache: dict, keep: bool = False) -> dict[str, Tensor]:
     """What a background write reads: a copy in host memory of this rank's part (the files
     layout: the gathered tensors, on rank 0, and on a rank that writes its DiLoCo worker's
-    file (`keep`); DTensors keep their placements, their local blocks copied), taken now, so that training may go on changing the originals. The host
-    buffers are made once per layout of the trees and kept in `cache` (pinned when the
-    state is on CUDA): a later save only copies, at memory speed."""
+    file (`keep`); DTensors keep their placements, their local blocks copied), taken now, so
+    that training may go on changing the originals. The host buffers are made once per
+    layout of the trees and kept in `cache` (pinned when the state is on CUDA): a later save
+    only copies, at memory speed."""
     from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
     if layout == "files":

@@ -6,7 +6,7 @@
 The plan (the test's driver restarts group 1): syncs every H = 3 calls; group 1's first life
 dies after its call 5, so group 0 syncs alone at call 6; group 1 comes back and, at its first
 quorum (group 0's sync at call 9, which waits for it to be up), heals from group 0 and syncs
-with it from there on.
+with it from there on. Group 0 waits for group 1 to ask for that quorum first.
 """
 
 from __future__ import annotations
@@ -89,12 +89,15 @@ def main(replica: int, lighthouse: str, out: Path, life: int) -> None:
     if life == 0:  # both groups in the first quorum
         mark(f"ready{replica}")
         wait_for("ready0"), wait_for("ready1")
-    else:
-        mark("back")
     syncs = []
     while int(state.count) < STEPS:
         if replica == 0 and int(state.count) + 1 == BACK_AT:
-            wait_for("back")  # group 1 is up again: it joins this sync's quorum
+            # Group 1 asks for its first quorum: this one. (The lighthouse forms a quorum at once
+            # when every member of the last one asks, so group 1 must ask first.)
+            wait_for("joining")
+            time.sleep(1.0)
+        if replica == 1 and life == 1 and int(state.count) + 1 == H:
+            mark("joining")
         synced = ft.begin(state)
         call = int(state.count) + 1  # after a heal, the live group's count
         update(params, grads_at(params, replica, call), state)

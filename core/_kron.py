@@ -64,8 +64,8 @@ def update_probability(
 ) -> Any:
     """PSGD-Kron's refit probability at update t (from 0): max_prob for `flat_start` updates,
     then max_prob·exp(-decay·(t - flat_start)), never below `min_prob` (the default of
-    kron_torch, HeavyBall's PSGDKron and pytorch_optimizer's Kron: every update for 500, 3%
-    from about 4000 on).
+    kron_torch and pytorch_optimizer's Kron: every update for 500, 3% from about 4000 on;
+    HeavyBall 3.2's PSGDKron stays flat for 1000 updates, then decays as 0.999ⁿ).
 
     Examples:
         >>> import torch, purestep.core as ps
@@ -365,6 +365,17 @@ def kron(
     ⌈1/p⌉-th update and the factors are balanced at random (1%), here the refit comes at
     random with probability p and the factors are balanced at every refit (which does not
     change P).
+
+    HeavyBall's `PSGDKron` (3.2) differs by its defaults, not by the algorithm (with them
+    aligned its diagonal factors equal these to float32 rounding): the refit's normalizer is a
+    running bound kept across refits (`lower_bound_beta=0.9`) instead of each refit's own
+    bound, the init scale is taken from the
+    first grad (`mean(g⁴)^(-1/16)`), the update is clipped elementwise (a trust region) instead
+    of by its RMS, and triangular factors stop at 2048. On LightBench's small quadratics with
+    vanishing grads (`benchmarks/bench_scoreboard.py`: batch_size_scaling, quadratic_quantized_gradient)
+    the running bound is what wins them within 1000 steps, and HeavyBall's init scale is what
+    wins sparse_parameters sooner; pytorch_optimizer's Kron and this one lose the first two
+    alike (`results/2026-11-29-scoreboard-cpu.md`).
 
     Args:
       lr: η. b1: β₁. weight_decay: λ; the references decay only leaves of 2 or more dims:

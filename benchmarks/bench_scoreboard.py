@@ -444,8 +444,29 @@ def report(rows: list[dict], times: dict, args: argparse.Namespace, wall: float,
         "cannot run the task).\n\n"
         + "\n".join(matrix)
         + ("\n\nErrors:\n\n" + "\n".join(f"- {e}" for e in errors) if errors else "")
+        + "\n\n## The LM table\n\n"
+        + lm_table()
     )
     return body, {"columns": columns, "tasks": tasks, "cell": cell, "summary": summary}
+
+
+def lm_table() -> str:
+    """The LM quality table's latest rows: the demo GPT per family at its tuned lr
+    (`bench_families.py quality`), from the newest committed results file that has them."""
+    marker = "### At each optimizer's best lr"
+    files = sorted(f for f in C.RESULTS.glob("*-families-quality-*-cpu.md") if marker in f.read_text())
+    if not files:
+        return "(no committed LM quality table: `python benchmarks/bench_families.py quality`)"
+    text = files[-1].read_text().split(marker, 1)[1].strip().splitlines()
+    rows = [
+        line
+        for line in text[: next((i for i, x in enumerate(text) if x.startswith("#")), len(text))]
+        if line.startswith("|")
+    ]
+    return (
+        f"From `{files[-1].name}` (the demo GPT, 480 steps, 3 seeds, each family at its best lr of a grid):\n\n"
+        + "\n".join(rows)
+    )
 
 
 def draw(data: dict, path: Path) -> None:

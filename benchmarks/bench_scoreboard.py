@@ -470,7 +470,7 @@ def lm_table() -> str:
 
 
 def draw(data: dict, path: Path) -> None:
-    """The task x contender matrix: won (green, darker when sooner), not won (grey), nan/err (red)."""
+    """The task x contender matrix: won (green, brighter when sooner), not won (grey), nan/err (red)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -494,7 +494,7 @@ def draw(data: dict, path: Path) -> None:
     ax.set_xticks(range(len(columns)), [f"{a} / {lib}" for a, lib in columns], rotation=90, fontsize=7)
     ax.set_yticks(range(len(tasks)), tasks, fontsize=7)
     ax.set_title(
-        "LightBench tasks on the CPU: won (green, darker = sooner), not won (grey), nan/error (red)", fontsize=9
+        "LightBench tasks on the CPU: won (green, brighter = sooner), not won (grey), nan/error (red)", fontsize=9
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -110,6 +110,12 @@ def adopt(
     AdamW's), t the step from 1. The first step only sets ν = g² (its update is 0), as in
     the paper's Algorithm 2 and optax; `clip=False` drops the clip.
 
+    HeavyBall's `ADOPT` (3.2) is another convention: it folds an Adam-style bias correction
+    into both β's (β₁ and β₂ debiased by the step), has no clip and ε = 1e-8. On LightBench's
+    saddle_point (easy tier, `benchmarks/bench_scoreboard.py`) it wins within 1000 steps where
+    this one and pytorch_optimizer's `ADOPT` do not; `clip=False` and `eps=1e-8` here do not
+    change that (measured), which leaves the debiased β's.
+
     Args:
       clip: clip the normalized gradient to ±(t-1)^¼ (optax's `use_clipping`, the paper's
         stabilizer).

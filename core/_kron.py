@@ -374,8 +374,11 @@ def kron(
     of by its RMS, and triangular factors stop at 2048. On LightBench's small quadratics with
     vanishing grads (`benchmarks/bench_scoreboard.py`: batch_size_scaling, quadratic_quantized_gradient)
     the running bound is what wins them within 1000 steps, and HeavyBall's init scale is what
-    wins sparse_parameters sooner; pytorch_optimizer's Kron and this one lose the first two
-    alike (`results/2026-11-29-scoreboard-cpu.md`).
+    wins sparse_parameters sooner. pytorch_optimizer's Kron and this one follow the same
+    curves there (`results/2026-11-29-scoreboard-cpu.md`); it wins batch_size_scaling at lr
+    3e-2 (722 steps) where this one wins at no lr of the grid (closest: 8e-8 against the
+    1e-8 threshold, at lr 0.3): the refit draws differ (theirs every ⌈1/p⌉ updates, these at
+    random).
 
     Args:
       lr: η. b1: β₁. weight_decay: λ; the references decay only leaves of 2 or more dims:

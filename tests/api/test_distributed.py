@@ -43,7 +43,9 @@ def same_device_as_the_ranks(monkeypatch):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
-def test_fsdp2_on_two_ranks_matches_one_process_skips_nan_together_and_resumes_on_one(tmp_path, same_device_as_the_ranks):
+def test_fsdp2_on_two_ranks_matches_one_process_skips_nan_together_and_resumes_on_one(
+    tmp_path, same_device_as_the_ranks
+):
     # muon_adamw + global-norm clip + EMA: Muon must orthogonalise whole matrices and the
     # clip must use the global norm, or the sharded run drifts from the single one.
     out = torchrun(str(tmp_path / "fsdp"), "fsdp", "8", "--nan-at", "5")
@@ -55,7 +57,10 @@ def test_fsdp2_on_two_ranks_matches_one_process_skips_nan_together_and_resumes_o
     assert fsdp.manifest.metadata["world_size"] == 2
     # Written by torch.distributed.checkpoint's safetensors storage, each rank its own shards.
     assert fsdp.manifest.layout == "dcp" and fsdp.manifest.world_size == 2
-    assert {f.split("-model-")[0] for f in fsdp.manifest.files if f.startswith("shard-")} == {"shard-00001", "shard-00002"}
+    assert {f.split("-model-")[0] for f in fsdp.manifest.files if f.startswith("shard-")} == {
+        "shard-00001",
+        "shard-00002",
+    }
     for k, p in ref.named.items():
         torch.testing.assert_close(fsdp.params[k], p.detach(), rtol=1e-3, atol=1e-5)
     for k, e in ref.ema.params.items():  # the shard-local EMA, gathered
@@ -94,7 +99,9 @@ def resumes_like_one_process(tmp_path, saved: str, other: str, strategy: str) ->
         torch.testing.assert_close(on_ranks.params[k], p.detach(), rtol=1e-3, atol=1e-5)
 
 
-def test_hsdp_on_four_ranks_matches_one_process_and_resumes_on_fsdp_and_on_one_process(tmp_path, same_device_as_the_ranks):
+def test_hsdp_on_four_ranks_matches_one_process_and_resumes_on_fsdp_and_on_one_process(
+    tmp_path, same_device_as_the_ranks
+):
     """strategy="hsdp" on a (2 replicas, 2 shards) mesh: the Trainer's sharded update runs
     with the optimizer state sharded across the replicas (its default), equal to one process,
     each rank holding about 1/4 of the state; its DCP checkpoint (the state saved as the global
@@ -115,8 +122,19 @@ def test_hsdp_on_four_ranks_matches_one_process_and_resumes_on_fsdp_and_on_one_p
     assert first("hsdp")["state_bytes"] <= first("single")["state_bytes"] / 4 * 1.05, (first("hsdp"), first("single"))
     # The same checkpoint resumed on the same mesh with a whole copy of the state per replica.
     shutil.copytree(tmp_path / "hsdp", tmp_path / "hsdp_whole")
-    out = torchrun(str(tmp_path / "hsdp_whole"), "hsdp", "12", "--resume", "--nan-at", "5", "--set", "replicate=2",
-                   "--set", "shard_state_over_replicas=false", nproc=4)
+    out = torchrun(
+        str(tmp_path / "hsdp_whole"),
+        "hsdp",
+        "12",
+        "--resume",
+        "--nan-at",
+        "5",
+        "--set",
+        "replicate=2",
+        "--set",
+        "shard_state_over_replicas=false",
+        nproc=4,
+    )
     assert "HSDP, 2 replicas x 2 shards" in out.stdout, out.stdout
     shutil.copytree(tmp_path / "single", tmp_path / "single_whole")  # one process resumed from step 8
     ref12 = trainer(tmp_path / "single_whole", "steps=12", nan_at=5)
@@ -127,13 +145,17 @@ def test_hsdp_on_four_ranks_matches_one_process_and_resumes_on_fsdp_and_on_one_p
     resumes_like_one_process(tmp_path, "hsdp", "fsdp2", "fsdp")
 
 
-def test_tensor_parallel_on_four_and_eight_ranks_matches_one_process_and_resumes_across_meshes(tmp_path, same_device_as_the_ranks):
+def test_tensor_parallel_on_four_and_eight_ranks_matches_one_process_and_resumes_across_meshes(
+    tmp_path, same_device_as_the_ranks
+):
     """strategy="fsdp+tp" on a (dp 2, tp 2) mesh: the GPT's torchtitan plan splits q, k, v, gate
     and up by columns (heads, hidden units) and proj and down by rows over each TP pair, FSDP2
     shards over the pairs, each pair reads its own rows of the batch. Equal to one process (a
     NaN step skipped by every rank); its checkpoint resumes under TP alone on 2 ranks and in one
     plain process. strategy="hsdp+tp" on 8 ranks (replicate 2, shard 2, tp 2) equals it too."""
-    out = torchrun(str(tmp_path / "fsdp_tp"), "fsdp+tp", "8", "--nan-at", "5", "--set", "tp=2", "--set", "eval_every=4", nproc=4)
+    out = torchrun(
+        str(tmp_path / "fsdp_tp"), "fsdp+tp", "8", "--nan-at", "5", "--set", "tp=2", "--set", "eval_every=4", nproc=4
+    )
     assert out.stderr.count("step 6: skip_nonfinite") == 4, out.stderr[-3000:]
     assert "path sharded" in out.stdout, out.stdout  # muon_adamw on TP blocks: owner-computes over row x column blocks
     ref = trainer(tmp_path / "single", "steps=8", "eval_every=4", nan_at=5)
@@ -149,11 +171,26 @@ def test_tensor_parallel_on_four_and_eight_ranks_matches_one_process_and_resumes
     val = lambda rows: [r["val_loss"] for r in rows if "val_loss" in r]  # noqa: E731
     assert len(val(logged)) == 2 and val(logged) == pytest.approx(val(ref_logged), rel=1e-4)  # evaluation under TP
     # each row counted once, not once per TP rank
-    assert saved.manifest.metadata["trainer"]["tokens"] == load_checkpoint(
-        tmp_path / "single" / "checkpoints" / "step_00000008").manifest.metadata["trainer"]["tokens"] > 0
+    assert (
+        saved.manifest.metadata["trainer"]["tokens"]
+        == load_checkpoint(tmp_path / "single" / "checkpoints" / "step_00000008").manifest.metadata["trainer"]["tokens"]
+        > 0
+    )
     # HSDP beside TP on 8 ranks, a (replicate 2, shard 2, tp 2) mesh: TP within pairs, HSDP over them.
-    out = torchrun(str(tmp_path / "hsdp_tp"), "hsdp+tp", "8", "--nan-at", "5", "--set", "tp=2", "--set", "replicate=2",
-                   "--set", "eval_every=4", nproc=8)
+    out = torchrun(
+        str(tmp_path / "hsdp_tp"),
+        "hsdp+tp",
+        "8",
+        "--nan-at",
+        "5",
+        "--set",
+        "tp=2",
+        "--set",
+        "replicate=2",
+        "--set",
+        "eval_every=4",
+        nproc=8,
+    )
     assert out.stderr.count("step 6: skip_nonfinite") == 8, out.stderr[-3000:]
     assert "path sharded" in out.stdout and "blocks over 8 ranks" in out.stdout, out.stdout
     three = load_checkpoint(tmp_path / "hsdp_tp" / "checkpoints" / "step_00000008")
@@ -184,8 +221,11 @@ def test_tensor_parallel_degrees_and_options_that_do_not_fit_fail_in_one_line(mo
         D.setup("hsdp+tp", "cpu", tp=3)
     with pytest.raises(ValueError, match="model.n_heads=4 heads"):
         GPT(dim=32, n_heads=4, n_layers=1).tp_plan(3)
-    for overrides, field in ((["strategy=fsdp", "tp=2"], "tp"), (["strategy=tp", "optimizer.qk_clip=50"], "optimizer.qk_clip"),
-                             (["strategy=fsdp+tp", "precision=bf16-true"], "precision")):
+    for overrides, field in (
+        (["strategy=fsdp", "tp=2"], "tp"),
+        (["strategy=tp", "optimizer.qk_clip=50"], "optimizer.qk_clip"),
+        (["strategy=fsdp+tp", "precision=bf16-true"], "precision"),
+    ):
         with pytest.raises(ConfigError) as e:
             apply_overrides(TrainConfig(), overrides)
         assert e.value.field == field
@@ -221,12 +261,19 @@ def test_ddp_on_two_ranks_ends_with_the_single_process_params(tmp_path, same_dev
 
 
 DILOCO_SGD = [
-    "optimizer.name=sgd", "optimizer.lr=0.5", "optimizer.kwargs={}", "optimizer.clip_grad_norm=none",
-    "schedule.name=constant", "schedule.warmup_steps=none", "ema_decay=none",
+    "optimizer.name=sgd",
+    "optimizer.lr=0.5",
+    "optimizer.kwargs={}",
+    "optimizer.clip_grad_norm=none",
+    "schedule.name=constant",
+    "schedule.warmup_steps=none",
+    "ema_decay=none",
 ]
 
 
-def test_diloco_under_ddp_and_hsdp_makes_ranks_or_replicas_workers_and_syncing_every_step_is_ddp(tmp_path, same_device_as_the_ranks):
+def test_diloco_under_ddp_and_hsdp_makes_ranks_or_replicas_workers_and_syncing_every_step_is_ddp(
+    tmp_path, same_device_as_the_ranks
+):
     """`[diloco]` under DDP: no grad all-reduce, each rank a worker on its own rows, the
     pseudo-gradients averaged at each sync. With plain SGD inside, an outer SGD of lr 1 and
     no momentum, and a sync every step, the average of the workers' SGD steps from one point
@@ -262,7 +309,9 @@ def test_diloco_under_ddp_and_hsdp_makes_ranks_or_replicas_workers_and_syncing_e
         torch.testing.assert_close(got.opt_state[f"anchor.{k}"], p.detach(), rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("strategy, nproc, extra", [("ddp", 2, ()), ("hsdp", 4, ("replicate=2",))])
+@pytest.mark.parametrize(
+    "strategy, nproc, extra", [("ddp", 2, ()), ("hsdp", 4, ("replicate=2", "async_checkpoint=true"))]
+)
 def test_a_killed_diloco_worker_costs_the_steps_since_the_checkpoint_and_each_worker_resumes_its_own_state(
     tmp_path, same_device_as_the_ranks, strategy, nproc, extra
 ):
@@ -270,11 +319,16 @@ def test_a_killed_diloco_worker_costs_the_steps_since_the_checkpoint_and_each_wo
     4), each DDP rank or each HSDP replica (of 2 ranks) a worker: rank 1 is killed at step 6;
     torchrun restarts every rank, which resume at step 4, each worker with its own params and
     inner state (worker 1's from its file in the checkpoint, each rank taking its block), and
-    end on the bits of the run that was never killed."""
+    end on the bits of the run that was never killed. Under HSDP the checkpoints are written
+    in the background (the worker file staged on its lead rank)."""
     sets = [f"--set={o}" for o in ("diloco.sync_every=2", "checkpoint_every=4", *extra)]
     torchrun(str(tmp_path / "whole"), strategy, "8", *sets, nproc=nproc)
-    killed = torchrun(str(tmp_path / "killed"), strategy, "8", "--resume", "--die-at", "6", *sets, nproc=nproc, restarts=1)
-    assert "rank 1 dies at step 6" in killed.stdout and "at step 4" in killed.stderr + killed.stdout, killed.stderr[-2000:]
+    killed = torchrun(
+        str(tmp_path / "killed"), strategy, "8", "--resume", "--die-at", "6", *sets, nproc=nproc, restarts=1
+    )
+    assert "rank 1 dies at step 6" in killed.stdout and "at step 4" in killed.stderr + killed.stdout, killed.stderr[
+        -2000:
+    ]
     for step in ("step_00000004", "step_00000008"):
         ran = {run: tmp_path / run / "checkpoints" / step for run in ("whole", "killed")}
         main = {run: load_checkpoint(path) for run, path in ran.items()}
@@ -289,7 +343,9 @@ def test_a_killed_diloco_worker_costs_the_steps_since_the_checkpoint_and_each_wo
     assert any(not torch.equal(own["whole"][k], main["whole"].opt_state[k.removeprefix("opt_state.")]) for k in inner)
     # ...while the anchor is the workers' common one.
     anchor = [k for k in own["whole"] if k.startswith("opt_state.anchor.")]
-    assert anchor and all(torch.equal(own["whole"][k], main["whole"].opt_state[k.removeprefix("opt_state.")]) for k in anchor)
+    assert anchor and all(
+        torch.equal(own["whole"][k], main["whole"].opt_state[k.removeprefix("opt_state.")]) for k in anchor
+    )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -330,7 +386,10 @@ def test_checkpoint_manager_on_two_fsdp2_ranks_falls_back_refuses_shapes_and_fai
         assert seen[0][f"{layout}_layout"] == layout
         assert seen[0][f"{layout}_whole_equal"] and seen[0][f"{layout}_sharded_equal"]
         assert seen[0][f"{layout}_restored"] == 2 and seen[0][f"{layout}_fallback"] == 1
-        assert "params '1.weight' is [2, 4] torch.float32 in the checkpoint, but [3, 4]" in seen[0][f"{layout}_shape_error"]
+        assert (
+            "params '1.weight' is [2, 4] torch.float32 in the checkpoint, but [3, 4]"
+            in seen[0][f"{layout}_shape_error"]
+        )
     assert "step_00000003: cannot write the checkpoint: rank 1: No space left on device" in seen[0]["failed_save"]
     assert seen[0]["after_failed_save"] == ["step_00000001", "step_00000002"]
     # In the background (issue 28): what was there at the save, whatever the loop did after;
@@ -354,7 +413,9 @@ def test_more_ranks_per_node_than_gpus_fails_in_one_line_naming_both_counts(monk
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     for strategy in ("ddp", "fsdp"):  # every rank fails, rank 0 too: its GPU exists, the launch is still wrong
-        with pytest.raises(ValueError, match=r"^2 processes per node need 2 GPUs, but this node has 1: launch at most") as e:
+        with pytest.raises(
+            ValueError, match=r"^2 processes per node need 2 GPUs, but this node has 1: launch at most"
+        ) as e:
             D.setup(strategy)
         assert len(str(e.value).splitlines()) == 1
     with pytest.raises(ValueError, match=r"device cuda:3 asked for, but this node has 1 GPU\(s\)"):
@@ -421,4 +482,6 @@ def test_moe_gpt_on_two_fsdp2_ranks_matches_one_process(tmp_path, same_device_as
         torch.testing.assert_close(got.params[k], p.detach(), rtol=1e-3, atol=1e-5)
     logged = [json.loads(line) for line in (tmp_path / "moe" / "metrics.jsonl").read_text().splitlines()]
     ref_logged = [json.loads(line) for line in (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["loss"] for r in logged if "loss" in r] == pytest.approx([r["loss"] for r in ref_logged if "loss" in r], rel=1e-4)
+    assert [r["loss"] for r in logged if "loss" in r] == pytest.approx(
+        [r["loss"] for r in ref_logged if "loss" in r], rel=1e-4
+    )

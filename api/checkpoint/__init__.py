@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 
 from . import _dirs as dirs
+from . import _files
 from . import _io as store
 
 from .. import distributed as D
@@ -43,7 +44,6 @@ from ._format import read_header as read_header  # with verify_file: how `purest
 from ._format import read_manifest as read_manifest
 from ._format import verify_file as verify_file
 from ._io import Checkpoint as Checkpoint
-from ._io import read_worker as read_worker
 from ._io import verify_checkpoint as verify_checkpoint
 
 __all__ = [
@@ -59,6 +59,12 @@ __all__ = [
     "save_checkpoint",
     "verify_checkpoint",
 ]
+
+
+def read_worker(root: Path, manifest: Manifest, worker: int, trees: tuple[Any, Any, Any]) -> None:
+    """DiLoCo worker `worker`'s own state, from its file in the checkpoint at `root`
+    (`CheckpointManager(worker=)` wrote it), into `trees` (params, opt_state, ema), in place."""
+    _files.read_worker(root, manifest, worker, store.flat_state(trees)[0])
 
 
 def checkpoint_dir(run_dir: str | os.PathLike, step: int) -> Path:

@@ -16,7 +16,8 @@ from typing import Any
 from torch import Tensor
 
 from .. import distributed as D
-from ._format import DTYPES, GROUPS, FileEntry, Manifest, read_header, write_tensors
+from ..errors import CheckpointError
+from ._format import DTYPES, GROUPS, FileEntry, Manifest, read_header, read_tensors, write_tensors
 from ._reader import Chunk
 
 
@@ -48,6 +49,25 @@ def write(
             tensors = _host({path: state[f"{group}.{path}"] for path in order[group]})
             files[f"{group}.safetensors"] = write_tensors(tmp / f"{group}.safetensors", tensors)
     return files
+
+
+def read_worker(root: Path, manifest: Manifest, worker: int, state: dict[str, Tensor]) -> None:
+    """DiLoCo worker `worker`'s own state (its file, written by `write(..., worker=)`) into
+    `state` (`group.path -> tensor`, plain tensors or DTensors, each taking its own block), in
+    place. The checkpoint is one `load` verified (its manifest hashes the worker files)."""
+    name = worker_file(worker)
+    if name not in manifest.files:
+        raise CheckpointError(f"{root}: holds no state of DiLoCo worker {worker} ({name})")
+    saved = read_tensors(root / name)
+    for fqn, dst in state.items():
+        src = saved.get(fqn)
+        if src is None or tuple(src.shape) != tuple(dst.shape) or src.dtype != dst.dtype:
+            got = "nothing" if src is None else f"{list(src.shape)} {src.dtype}"
+            raise CheckpointError(f"{root / name}: '{fqn}' is {got}, but {list(dst.shape)} {dst.dtype} here")
+        D.copy_whole_into_(dst, src)
+    extra = sorted(set(saved) - set(state))
+    if extra:
+        raise CheckpointError(f"{root / name}: holds '{extra[0]}', which this run lacks ({len(extra)} extra)")
 
 
 def _host(tensors: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -104,7 +104,7 @@ def save(
     check_int("step", step)
     if keep_last is not None:
         check_int("keep_last", keep_last, 1)
-    state, order, complex_keys = _flat_state(trees)
+    state, order, complex_keys = flat_state(trees)
     try:
         config, metadata, data_state = (msgspec.to_builtins(x) for x in (extras[0], extras[1] or {}, extras[2]))
     except TypeError as e:
@@ -269,7 +269,7 @@ _SAVABLE = frozenset(DTYPES.values())
 _COMPLEX = (torch.complex64, torch.complex128)
 
 
-def _flat_state(trees: tuple[Any, Any, Any]) -> tuple[dict[str, Tensor], dict[str, list[str]], list[str]]:
+def flat_state(trees: tuple[Any, Any, Any]) -> tuple[dict[str, Tensor], dict[str, list[str]], list[str]]:
     """`group.path -> tensor` for every leaf (DTensors stay DTensors), each group's paths in
     order, and the keys of complex leaves (stored as their real view, (..., 2), which every
     safetensors writer and DCP take)."""
@@ -423,26 +423,6 @@ def load(
             None if not present else dict(zip(paths, leaves)) if spec is None else ps.tree_unflatten(leaves, spec)
         )
     return Checkpoint(trees[0], trees[1], trees[2], manifest.step, manifest, rng)
-
-
-def read_worker(root: Path, manifest: Manifest, worker: int, trees: tuple[Any, Any, Any]) -> None:
-    """DiLoCo worker `worker`'s own state (its file, written by `save(..., worker=)`) into
-    `trees` (params, opt_state, ema: plain tensors or DTensors, each taking its own block),
-    in place. The checkpoint is one `load` verified (its manifest hashes the worker files)."""
-    name = _files.worker_file(worker)
-    if name not in manifest.files:
-        raise CheckpointError(f"{root}: holds no state of DiLoCo worker {worker} ({name})")
-    saved = read_tensors(root / name)
-    state, _, _ = _flat_state(trees)
-    for fqn, dst in state.items():
-        src = saved.get(fqn)
-        if src is None or tuple(src.shape) != tuple(dst.shape) or src.dtype != dst.dtype:
-            got = "nothing" if src is None else f"{list(src.shape)} {src.dtype}"
-            raise CheckpointError(f"{root / name}: '{fqn}' is {got}, but {list(dst.shape)} {dst.dtype} here")
-        D.copy_whole_into_(dst, src)
-    extra = sorted(set(saved) - set(state))
-    if extra:
-        raise CheckpointError(f"{root / name}: holds '{extra[0]}', which this run lacks ({len(extra)} extra)")
 
 
 def _complex_of(real: torch.dtype) -> torch.dtype | None:

@@ -17,6 +17,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -47,31 +48,39 @@ def inner_outer() -> tuple[ps.Transform, ps.Transform]:
     return ps.adamw(0.05, weight_decay=0.01), ps.sgd(0.7, momentum=0.9, nesterov=True)
 
 
-def main(replica: int, lighthouse: str, out: Path, life: int) -> None:
-    from torch.distributed import TCPStore
+def make_manager(lighthouse: str, replica_id: str, store_port: int) -> Any:
+    """A one-process replica group's torchft `Manager` on gloo (its TCPStore at `store_port`,
+    which the caller keeps alive), for DiLoCo: synchronous quorum, no initial sync (every
+    group starts from the same params), timeouts a loaded CI machine meets."""
     from torchft import Manager, ProcessGroupGloo
 
-    from purestep.api import TorchFT
-
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    manager = Manager(
+    return Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=20)),
         load_state_dict=None,
         state_dict=None,
         min_replica_size=1,
         use_async_quorum=False,
-        init_sync=False,  # both groups start from the same params
+        init_sync=False,
         timeout=timedelta(seconds=20),
         quorum_timeout=timedelta(seconds=40),
         connect_timeout=timedelta(seconds=20),
         rank=0,
         world_size=1,
         store_addr="127.0.0.1",
-        store_port=store.port,
+        store_port=store_port,
         lighthouse_addr=lighthouse,
-        replica_id=f"replica_{replica}",
+        replica_id=replica_id,
         hostname="127.0.0.1",
     )
+
+
+def main(replica: int, lighthouse: str, out: Path, life: int) -> None:
+    from torch.distributed import TCPStore
+
+    from purestep.api import TorchFT
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    manager = make_manager(lighthouse, f"replica_{replica}", store.port)
     ft = TorchFT(manager)
     opt = ft.diloco(*inner_outer(), H)
     params = init_params()

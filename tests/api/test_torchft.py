@@ -108,31 +108,11 @@ def test_a_replica_group_that_dies_and_comes_back_heals_from_the_live_one_and_bo
 
 def _manager(address: str, name: str, stores: list):
     """A one-process replica group's manager; its store is kept alive in `stores`."""
-    from datetime import timedelta
-
     from torch.distributed import TCPStore
-    from torchft import Manager, ProcessGroupGloo
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     stores.append(store)
-    return Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=20)),
-        load_state_dict=None,
-        state_dict=None,
-        min_replica_size=1,
-        use_async_quorum=False,
-        init_sync=False,
-        timeout=timedelta(seconds=20),
-        quorum_timeout=timedelta(seconds=20),
-        connect_timeout=timedelta(seconds=20),
-        rank=0,
-        world_size=1,
-        store_addr="127.0.0.1",
-        store_port=store.port,
-        lighthouse_addr=address,
-        replica_id=name,
-        hostname="127.0.0.1",
-    )
+    return W.make_manager(address, name, store.port)
 
 
 class _Fragment(torch.nn.Module):

@@ -151,12 +151,6 @@ class TrainConfig(_Section):  # type: ignore[misc]  # msgspec's frozen Struct, n
                 f"a tensor-parallel degree of {self.tp} asked for, but strategy='{self.strategy}'; "
                 "set strategy='tp', 'fsdp+tp' or 'hsdp+tp'",
             )
-        if self.strategy in ("tp", "fsdp+tp", "hsdp+tp") and self.optimizer.qk_clip is not None:
-            raise ConfigError(
-                "optimizer.qk_clip",
-                f"QK-clip reads every head's max logit, but strategy='{self.strategy}' splits the heads over "
-                "ranks; run it on 'fsdp' or 'hsdp'",
-            )
 
     @property
     def autocast(self) -> bool:

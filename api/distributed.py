@@ -350,6 +350,21 @@ def all_reduce_max(t: Tensor, world: World) -> Tensor:
     return t
 
 
+def max_over_heads(t: Tensor, world: World) -> Tensor:
+    """Each head's max over ranks of `t`, (layers, this rank's heads): without tensor
+    parallelism an all-reduce MAX; with it each rank holds its TP group's heads
+    `[r·H/tp, (r+1)·H/tp)` (column-parallel q and k split by heads, a TP rank's place in its
+    group at rank % tp), so one all_gather puts every group's heads side by side and the max
+    runs over the data-parallel ranks: (layers, heads) on every rank."""
+    if world.tp == 1:
+        return all_reduce_max(t, world)
+    got = [torch.empty_like(t) for _ in range(world.size)]
+    dist.all_gather(got, t.contiguous())
+    layers, local = t.shape
+    every = torch.stack(got).view(world.dp_size, world.tp, layers, local).amax(dim=0)  # (tp, layers, local)
+    return every.permute(1, 0, 2).reshape(layers, world.tp * local)
+
+
 def broadcast_object(obj: Any, world: World, group: Any = None) -> Any:
     """Rank 0's `obj` on every rank (over `group`, the default process group if None)."""
     if world.size == 1:

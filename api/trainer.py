@@ -214,10 +214,11 @@ class Trainer(Loop):
         return out * rows, torch.tensor(rows, device=self.world.device)
 
     def _max_logits(self) -> dict[str, Tensor]:
-        """Each head's max logit over this step's batch on every rank (one all-reduce MAX)."""
+        """Each head's max logit over this step's batch on every rank (one collective; under
+        tensor parallelism every TP rank's heads gathered: `D.max_over_heads`)."""
         got = cast(Any, D.unwrap(self.module)).take_max_logits()
         names = list(got)
-        both = D.all_reduce_max(torch.stack([got[n] for n in names]), self.world)
+        both = D.max_over_heads(torch.stack([got[n] for n in names]), self.world)
         self.max_logit = both.max()  # logged
         return dict(zip(names, both.unbind(0)))
 

@@ -152,7 +152,8 @@ def test_tensor_parallel_on_four_and_eight_ranks_matches_one_process_and_resumes
     and up by columns (heads, hidden units) and proj and down by rows over each TP pair, FSDP2
     shards over the pairs, each pair reads its own rows of the batch. Equal to one process (a
     NaN step skipped by every rank); its checkpoint resumes under TP alone on 2 ranks and in one
-    plain process. strategy="hsdp+tp" on 8 ranks (replicate 2, shard 2, tp 2) equals it too."""
+    plain process. strategy="hsdp+tp" on 8 ranks (replicate 2, shard 2, tp 2) with QK-clip equals
+    one process with QK-clip."""
     out = torchrun(
         str(tmp_path / "fsdp_tp"), "fsdp+tp", "8", "--nan-at", "5", "--set", "tp=2", "--set", "eval_every=4", nproc=4
     )
@@ -176,7 +177,10 @@ def test_tensor_parallel_on_four_and_eight_ranks_matches_one_process_and_resumes
         == load_checkpoint(tmp_path / "single" / "checkpoints" / "step_00000008").manifest.metadata["trainer"]["tokens"]
         > 0
     )
-    # HSDP beside TP on 8 ranks, a (replicate 2, shard 2, tp 2) mesh: TP within pairs, HSDP over them.
+    # HSDP beside TP on 8 ranks, a (replicate 2, shard 2, tp 2) mesh: TP within pairs, HSDP over
+    # them; with QK-clip, each head's max logit gathered from the TP rank holding it (max over
+    # the data-parallel ranks), the clip run on each rank's W_q/W_k blocks.
+    qk = "optimizer.qk_clip=0.04"
     out = torchrun(
         str(tmp_path / "hsdp_tp"),
         "hsdp+tp",
@@ -189,17 +193,26 @@ def test_tensor_parallel_on_four_and_eight_ranks_matches_one_process_and_resumes
         "replicate=2",
         "--set",
         "eval_every=4",
+        "--set",
+        qk,
         nproc=8,
     )
     assert out.stderr.count("step 6: skip_nonfinite") == 8, out.stderr[-3000:]
     assert "path sharded" in out.stdout and "blocks over 8 ranks" in out.stdout, out.stdout
+    clipped = trainer(tmp_path / "single_qk", "steps=8", "eval_every=4", qk, nan_at=5)
+    clipped.fit()
     three = load_checkpoint(tmp_path / "hsdp_tp" / "checkpoints" / "step_00000008")
     assert three.manifest.world_size == 8
-    for k, p in ref.named.items():
+    for k, p in clipped.named.items():
         torch.testing.assert_close(three.params[k], p.detach(), rtol=1e-3, atol=1e-5)
     logged = [json.loads(line) for line in (tmp_path / "hsdp_tp" / "metrics.jsonl").read_text().splitlines()]
-    assert losses(logged) == pytest.approx(losses(ref_logged), rel=1e-4)
-    assert val(logged) == pytest.approx(val(ref_logged), rel=1e-4)
+    qk_logged = [json.loads(line) for line in (tmp_path / "single_qk" / "metrics.jsonl").read_text().splitlines()]
+    assert losses(logged) == pytest.approx(losses(qk_logged), rel=1e-4)
+    assert val(logged) == pytest.approx(val(qk_logged), rel=1e-4)
+    heads = lambda rows: [r["max_logit"] for r in rows if "max_logit" in r]  # noqa: E731
+    assert heads(logged) == pytest.approx(heads(qk_logged), rel=1e-4)
+    assert max(heads(qk_logged)) > 0.04  # the clip acted
+    assert losses(qk_logged) != pytest.approx(losses(ref_logged), rel=1e-6)  # and changed the run
     resumes_like_one_process(tmp_path, "fsdp_tp", "tp", "tp")
 
 
@@ -223,7 +236,6 @@ def test_tensor_parallel_degrees_and_options_that_do_not_fit_fail_in_one_line(mo
         GPT(dim=32, n_heads=4, n_layers=1).tp_plan(3)
     for overrides, field in (
         (["strategy=fsdp", "tp=2"], "tp"),
-        (["strategy=tp", "optimizer.qk_clip=50"], "optimizer.qk_clip"),
         (["strategy=fsdp+tp", "precision=bf16-true"], "precision"),
     ):
         with pytest.raises(ConfigError) as e:

@@ -55,6 +55,10 @@ class TrainConfig(_Section):  # type: ignore[misc]  # msgspec's frozen Struct, n
     update averages the replicas' grads (a reduce_scatter) and gathers the params (an
     all_gather): the bytes across replicas of HSDP's all-reduce (`ps.make_update`'s
     `shard_state_over_replicas`). The first metrics line says the `state_bytes` this rank holds.
+    Under "fsdp", `ep` = N > 1 splits a mixture-of-experts model's experts over groups of N
+    ranks (the model's `ep_plan`; the built-in GPT with `model.kwargs` experts): each rank
+    holds E/N experts, token slots travel to their expert's rank and back (all_to_all), FSDP2
+    shards the experts over the ranks / N groups and everything else over every rank.
 
     `precision`: "fp32"; "bf16" (alias "bf16-mixed"): float32 params, forward and
     backward under bf16 autocast; "bf16-true": the model's params (and floating buffers
@@ -96,6 +100,7 @@ class TrainConfig(_Section):  # type: ignore[misc]  # msgspec's frozen Struct, n
     replicate: NonNegativeInt = 0
     shard_state_over_replicas: bool = True
     tp: NonNegativeInt = 0
+    ep: NonNegativeInt = 0
     precision: Literal["fp32", "bf16", "bf16-mixed", "bf16-true", "fp16"] = "fp32"
     compile: bool = False
     ema_decay: Union[Annotated[float, Meta(gt=0, lt=1)], None] = None
@@ -144,6 +149,12 @@ class TrainConfig(_Section):  # type: ignore[misc]  # msgspec's frozen Struct, n
                 "replicate",
                 f"{self.replicate} replicas asked for, but strategy='{self.strategy}'; "
                 "the replicate degree is HSDP's (strategy='hsdp' or 'hsdp+tp')",
+            )
+        if self.ep > 1 and self.strategy != "fsdp":
+            raise ConfigError(
+                "ep",
+                f"an expert-parallel degree of {self.ep} asked for, but strategy='{self.strategy}'; "
+                "expert parallelism is built beside strategy='fsdp'",
             )
         if self.tp and self.strategy not in ("tp", "fsdp+tp", "hsdp+tp"):
             raise ConfigError(

@@ -41,6 +41,7 @@ class World:
     strategy: str
     replicate: int = 1  # HSDP's replicas (the mesh's first dim); 1 on the other strategies
     tp: int = 1  # the tensor-parallel degree (the (dp, tp) mesh's second dim); 1 without TP
+    ep: int = 1  # the expert-parallel degree (the (efsdp, ep) mesh's second dim); 1 without EP
 
     @property
     def main(self) -> bool:
@@ -61,7 +62,9 @@ class World:
         return self.strategy != "single"
 
 
-def setup(strategy: str = "single", device: str | None = None, *, replicate: int = 0, tp: int = 0) -> World:
+def setup(
+    strategy: str = "single", device: str | None = None, *, replicate: int = 0, tp: int = 0, ep: int = 0
+) -> World:
     """Join the process group torchrun describes (if any) and pick this rank's device.
 
     On CUDA each process of a node takes the GPU of its `LOCAL_RANK`; a launch with more
@@ -70,6 +73,7 @@ def setup(strategy: str = "single", device: str | None = None, *, replicate: int
     (under "hsdp+tp", the ranks / `tp`).
     `tp`: the tensor-parallel degree of "fsdp+tp" and "hsdp+tp" (0: the ranks of a node) and
     "tp" (0 or every rank); it must divide the ranks.
+    `ep`: the expert-parallel degree under "fsdp" (0 or 1: none); it must divide the ranks.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -106,6 +110,12 @@ def setup(strategy: str = "single", device: str | None = None, *, replicate: int
     elif replicate:
         raise ValueError(f"replicate={replicate} is HSDP's degree; strategy is {strategy!r}")
     replicas = replicate if strategy in ("hsdp", "hsdp+tp") else 1
+    if ep > 1 and strategy != "fsdp":
+        raise ValueError(
+            f"ep={ep} is expert parallelism's degree, built beside strategy='fsdp'; strategy is {strategy!r}"
+        )
+    if ep > 1 and size % ep:
+        raise ValueError(f"strategy='fsdp': ep={ep} does not divide the {size} ranks; pick a divisor of {size}")
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
@@ -139,7 +149,7 @@ def setup(strategy: str = "single", device: str | None = None, *, replicate: int
             rank=at,
             world_size=of,
         )
-    return World(dist.get_rank(), dist.get_world_size(), local_rank, dev, strategy, replicas, tp or 1)
+    return World(dist.get_rank(), dist.get_world_size(), local_rank, dev, strategy, replicas, tp or 1, max(ep, 1))
 
 
 def _local_gpu(dev: torch.device, local_rank: int) -> torch.device:
@@ -189,6 +199,22 @@ def hsdp_mesh(world: World) -> Any:
     return _MESHES[key]
 
 
+def ep_mesh(world: World) -> Any:
+    """Expert parallelism's (efsdp, ep) device mesh of `world` (EP groups of `world.ep`
+    consecutive ranks) and its flattening "dp" over every rank, made once."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from purestep.core import _compat as compat
+
+    shape = (world.size // world.ep, world.ep)
+    key = (world.device.type, shape, "ep")
+    if key not in _MESHES:
+        mesh = init_device_mesh(world.device.type, shape, mesh_dim_names=("efsdp", "ep"))
+        compat.flatten_mesh(mesh, "dp")
+        _MESHES[key] = mesh
+    return _MESHES[key]
+
+
 def wrap(
     model: nn.Module,
     world: World,
@@ -202,7 +228,10 @@ def wrap(
     (replicate, shard) mesh; FSDP2 on CUDA casts to bf16 for "bf16"). With tensor
     parallelism the model's `tp_plan(degree)` is applied over the mesh's "tp" dim first
     (for "fsdp+tp", FSDP2 then shards over its "dp" dim; for "hsdp+tp", HSDP over its
-    (replicate, shard) dims). `local_sgd` (DiLoCo's workers, under DDP): no grad
+    (replicate, shard) dims). With expert parallelism (`world.ep` > 1, under "fsdp") the
+    model's `ep_plan(degree)` splits its experts over the (efsdp, ep) mesh's "ep" dim, FSDP2
+    shards each experts module over "efsdp" (the model's expert grads are already the mean
+    over its EP group's ranks, `Experts`) and the rest over all ranks. `local_sgd` (DiLoCo's workers, under DDP): no grad
     all-reduce between workers, so no DDP wrapper. `replicas_apart` (HSDP): FSDP2 over the
     mesh's shard dim alone, the replicas' grads left to the update (`ps.make_update`'s
     `shard_state_over_replicas` given `hsdp_mesh(world)`, or DiLoCo's sync)."""
@@ -230,10 +259,25 @@ def wrap(
         else:
             mesh = init_device_mesh(world.device.type, (world.dp_size, world.tp), mesh_dim_names=("dp", "tp"))
         parallelize_module(model, mesh["tp"], plan(world.tp))
+    experts: list[str] = []
+    if world.ep > 1:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        ep_plan = getattr(model, "ep_plan", None)
+        if not callable(ep_plan):
+            raise ValueError(
+                f"ep={world.ep} needs a model with an ep_plan(degree) method giving its expert-parallel plan "
+                f"(the built-in GPT with experts has one); {type(model).__name__} has none"
+            )
+        plan_of = ep_plan(world.ep)
+        parallelize_module(model, ep_mesh(world)["ep"], plan_of)
+        experts = list(plan_of)
     if world.strategy in FSDP:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         kwargs: dict[str, Any] = {}
+        if experts:
+            kwargs["mesh"] = ep_mesh(world)["dp"]
         if world.strategy == "hsdp":
             kwargs["mesh"] = hsdp_mesh(world)["shard"] if replicas_apart else hsdp_mesh(world)
         if world.strategy == "fsdp+tp":
@@ -242,6 +286,8 @@ def wrap(
             kwargs["mesh"] = mesh["replicate", "shard"]
         if world.device.type == "cuda" and precision in ("bf16", "bf16-mixed"):
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for name in experts:
+            fully_shard(model.get_submodule(name), **{**kwargs, "mesh": ep_mesh(world)["efsdp"]})
         for block in blocks_of(model):
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)

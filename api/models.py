@@ -13,6 +13,9 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from purestep.core.engine.dtensor import is_dtensor
 
 import purestep.core as ps
 
@@ -80,13 +83,96 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
+class Experts(nn.Module):
+    """E SwiGLU experts as (E, m, n) leaves (`gate`, `up`: (E, hidden, dim); `down`: (E, dim,
+    hidden)): Muon orthogonalizes each expert's matrix on its own (`batch_dims` 1,
+    `GPT.batch_dims`). `forward(xs, counts)` runs expert e on its `counts[e]` rows of `xs`
+    (the token slots sorted by expert).
+
+    Under expert parallelism (`ExpertParallel`: each weight a DTensor split by experts,
+    `Shard(0)`, over the `ep` ranks) a rank holds E/N of them: the slot counts are exchanged
+    first (an all_to_all of E integers, read on the host), then every slot travels to the rank
+    of its expert and its output back (torchtitan's token dispatch: an all_to_all each way,
+    both differentiable). An expert's grad then sums the tokens of every rank of the EP
+    group; it is scaled to their mean, as data parallelism's grads are."""
+
+    def __init__(self, dim: int, hidden: int, experts: int) -> None:
+        super().__init__()
+        self.gate = nn.Parameter(torch.empty(experts, hidden, dim))
+        self.up = nn.Parameter(torch.empty(experts, hidden, dim))
+        self.down = nn.Parameter(torch.empty(experts, dim, hidden))
+
+    def forward(self, xs: Tensor, counts: list[int]) -> Tensor:
+        if is_dtensor(self.gate):
+            return self._parallel(xs, counts)
+        return _swiglu_experts(xs, counts, self.gate, self.up, self.down)
+
+    def _parallel(self, xs: Tensor, counts: list[int]) -> Tensor:
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as fc
+
+        mesh = cast(Any, self.gate).device_mesh
+        group, n = mesh.get_group(), mesh.size()
+        # each expert's grad sums the tokens of every rank of the group: scaled to their mean,
+        # the grads data parallelism expects (FSDP2 then averages over the other ranks)
+        gate, up, down = (_GradScale.apply(cast(Any, w).to_local(), 1 / n) for w in (self.gate, self.up, self.down))
+        local = gate.shape[0]  # this rank's experts: [rank·local, (rank + 1)·local)
+        mine = torch.tensor(counts, dtype=torch.int64, device=xs.device)
+        theirs = torch.empty_like(mine)  # (source rank, my expert): the slots each rank sends each of mine
+        dist.all_to_all_single(theirs, mine, group=group)
+        got = theirs.view(n, local).tolist()
+        send = [sum(counts[r * local : (r + 1) * local]) for r in range(n)]
+        recv = [sum(row) for row in got]
+        x = fc.all_to_all_single_autograd(xs, recv, send, group)
+        pieces = x.split([c for row in got for c in row])  # by source rank, then by expert
+        by_expert = torch.cat([pieces[s * local + e] for e in range(local) for s in range(n)])
+        y = _swiglu_experts(by_expert, [sum(row[e] for row in got) for e in range(local)], gate, up, down)
+        outs = y.split([got[s][e] for e in range(local) for s in range(n)])  # by expert, then by source rank
+        back = torch.cat([outs[e * n + s] for s in range(n) for e in range(local)])
+        return fc.all_to_all_single_autograd(back, send, recv, group)
+
+
+class _GradScale(torch.autograd.Function):
+    """Identity forward; the gradient times `factor` backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, factor: float) -> Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad * ctx.factor, None
+
+
+def _swiglu_experts(xs: Tensor, counts: list[int], gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
+    outs = []
+    for i, chunk in enumerate(xs.split(counts)):
+        h = F.silu(chunk @ gate[i].T) * (chunk @ up[i].T)
+        outs.append(h @ down[i].T)
+    return torch.cat(outs)
+
+
+class ExpertParallel(ParallelStyle):
+    """The experts of a module split over a mesh (`parallelize_module(model, mesh["ep"],
+    {name: ExpertParallel()})`, `GPT.ep_plan`): each of its params a DTensor `Shard(0)`, E/N
+    experts per rank (rank 0's values scattered)."""
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+
+        def split(name: str, mod: nn.Module, mesh: Any) -> None:
+            for key, p in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(key, nn.Parameter(distribute_tensor(p.data, mesh, [Shard(0)])))
+
+        return distribute_module(module, device_mesh, split)
+
+
 class MoE(nn.Module):
     """Routed SwiGLU experts (torchtitan's MoE layer, dropless): the router's softmax scores
     pick each token's `top_k` of `experts`, their weights renormalized over the chosen; the
-    token slots are sorted by expert and each expert runs once on its slots; the outputs,
-    weighted, are summed back per token. The experts' weights are (E, m, n) leaves
-    (`gate`, `up`: (E, hidden, dim); `down`: (E, dim, hidden)): Muon orthogonalizes each
-    expert's matrix on its own (`batch_dims` 1, `GPT.batch_dims`).
+    token slots are sorted by expert and each expert runs once on its slots (`Experts`, over
+    the ranks under expert parallelism); the outputs, weighted, are summed back per token.
 
     `balance_loss` (after a forward): Switch Transformer's load-balancing term
     E·Σ_e f_e·P_e, f_e the share of token slots routed to expert e, P_e its mean router
@@ -95,17 +181,15 @@ class MoE(nn.Module):
 
     def __init__(self, dim: int, hidden: int, experts: int, top_k: int) -> None:
         super().__init__()
-        self.experts, self.top_k = experts, top_k
+        self.n_experts, self.top_k = experts, top_k
         self.router = nn.Linear(dim, experts, bias=False)
-        self.gate = nn.Parameter(torch.empty(experts, hidden, dim))
-        self.up = nn.Parameter(torch.empty(experts, hidden, dim))
-        self.down = nn.Parameter(torch.empty(experts, dim, hidden))
+        self.experts = Experts(dim, hidden, experts)
         self.balance_loss: Tensor | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         shape = x.shape
         t = x.reshape(-1, shape[-1])
-        n, e, k = t.shape[0], self.experts, self.top_k
+        n, e, k = t.shape[0], self.n_experts, self.top_k
         probs = self.router(t).float().softmax(dim=-1)  # (tokens, experts)
         weight, chosen = probs.topk(k, dim=-1)
         weight = weight / weight.sum(dim=-1, keepdim=True)
@@ -113,12 +197,7 @@ class MoE(nn.Module):
         order = slots.argsort(stable=True)  # the slots by expert
         counts = torch.bincount(slots, minlength=e)
         token = order // k
-        xs = t[token]
-        outs = []
-        for i, chunk in enumerate(xs.split(counts.tolist())):
-            h = F.silu(chunk @ self.gate[i].T) * (chunk @ self.up[i].T)
-            outs.append(h @ self.down[i].T)
-        y = torch.cat(outs) * weight.reshape(-1)[order, None].to(t.dtype)
+        y = self.experts(t[token], counts.tolist()) * weight.reshape(-1)[order, None].to(t.dtype)
         self.balance_loss = e * torch.sum(counts.to(probs.dtype) / (n * k) * probs.mean(dim=0))
         return torch.zeros_like(t).index_add_(0, token, y).reshape(shape)
 
@@ -195,7 +274,7 @@ class GPT(nn.Module):
         for block in self.blocks:
             b: Any = block
             nn.init.zeros_(b.attn.proj.weight)
-            nn.init.zeros_(b.mlp.down if self.experts else b.mlp.down.weight)
+            nn.init.zeros_(b.mlp.experts.down if self.experts else b.mlp.down.weight)
 
     def forward(self, input: Tensor) -> Tensor:
         x = self.embed(input)
@@ -249,6 +328,20 @@ class GPT(nn.Module):
             for name in ("attn.proj", "mlp.down"):
                 plan[f"blocks.{i}.{name}"] = RowwiseParallel()
         return plan
+
+    def ep_plan(self, degree: int) -> dict[str, Any]:
+        """Expert parallelism over `degree` ranks: every block's experts split by experts
+        (`ExpertParallel`, E/degree per rank), the rest untouched. For
+        `parallelize_module(model, ep_mesh, plan)`; the Trainer's `ep` (FSDP2 shards the
+        experts over the other ranks, everything else over all of them)."""
+        if not self.experts:
+            raise ValueError("expert parallelism needs a GPT with experts (model.kwargs experts=E)")
+        if self.experts % degree:
+            raise ValueError(
+                f"expert parallelism over {degree} ranks splits the model's {self.experts} experts: "
+                "pick a degree that divides them"
+            )
+        return {f"blocks.{i}.mlp.experts": ExpertParallel() for i in range(self.n_layers)}
 
     def track_max_logits(self, on: bool = True) -> None:
         """Record each attention head's max pre-softmax logit in every forward (for QK-clip)."""

@@ -95,7 +95,7 @@ class Trainer(Loop):
         refuse_ignored(cfg, {"transform": transform, "model": model, "data": data, "ema": ema})
         if loss_fn is None and model is not None:
             raise ValueError("loss_fn: a given model needs its loss_fn(model, batch) -> loss or (loss_sum, tokens)")
-        self.world = D.setup(cfg.strategy, device, replicate=cfg.replicate, tp=cfg.tp)
+        self.world = D.setup(cfg.strategy, device, replicate=cfg.replicate, tp=cfg.tp, ep=cfg.ep)
         torch.manual_seed(cfg.seed)
         self.loss_fn = loss_fn or lm_loss
         self.data = data if data is not None else build_data(cfg)

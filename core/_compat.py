@@ -60,6 +60,12 @@ def root_mesh(mesh: Any) -> Any:
     return _mesh_resources.get_root_mesh(mesh)
 
 
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """`mesh`'s dims flattened into one named `name`, then reachable as `mesh[name]`
+    (`DeviceMesh._flatten`, private on 2.11 to 2.15)."""
+    return mesh._flatten(name)
+
+
 def local_box(shape: Any, mesh_shape: Any, coordinate: list[int], placements: Any) -> tuple[Any, Any]:
     """(local shape, global offset) of the block at `coordinate` of a DTensor of `shape` placed by
     `placements` on a mesh of `mesh_shape`: DTensor's own arithmetic (its `_StridedShard` included)."""

@@ -1,6 +1,7 @@
 """Tensor-parallel blocks: the placement of DTensor params that are not FSDP2's row blocks
-(TP alone, FSDP2 beside TP: `Shard(d)` on any mesh dim, FSDP's `_StridedShard` rows on top of
-TP, params over a root mesh and its named slices, plain tensors beside them).
+(TP alone, FSDP2 beside TP, FSDP2 beside expert parallelism: `Shard(d)` on any mesh dim,
+FSDP's `_StridedShard` rows on top of TP, params over a root mesh, its named slices and its
+flattened dims, plain tensors beside them).
 
 `placement(pairs)` returns the `TPBlocks` the sharded path runs on: reductions are local
 partials times a per-leaf weight in one all_reduce over every rank of the root mesh (a block
@@ -94,7 +95,8 @@ class TPBlocks(Placement):
             f"tensor-parallel blocks over {self.world} ranks: elementwise math on each rank's blocks; reductions "
             "are one all_reduce over every rank, each block counted once (its copies on other ranks weigh 0); "
             "whole-matrix math is owner-computes over every rank (each matrix assembled from its row x column "
-            "blocks at its owner in one all_to_all, its result's blocks back in a second)"
+            "blocks at its owner in one all_to_all, its result's blocks back in a second; blocks of whole "
+            "experts computed where they lie)"
         )
 
     def untiled(self) -> str | None:
@@ -118,6 +120,12 @@ class TPBlocks(Placement):
                 return f"param {i}'s blocks over the ranks do not tile it: owner-computes cannot assemble it"
         return None
 
+    def _whole_matrices(self, index: int, lead: int) -> bool:
+        """Whether every rank's block of leaf `index` holds whole matrices (its dims after the
+        `lead` batch dims unsplit)."""
+        tail = tuple(self.shapes[index][lead:])
+        return lead >= 1 and all(shape[lead:] == tail for _, shape in self.boxes.of(index))
+
     def _cost(self, unit: Any) -> int:
         """Newton-Schulz's cost of a leaf's matrix: m·n·min(m, n)."""
         shape = self.shapes[unit]
@@ -127,15 +135,21 @@ class TPBlocks(Placement):
     def _matrices(
         self, blocks: dict[int, Tensor], lead: dict[int, int], extra_of: dict[int, Any], run: Callable
     ) -> dict[int, Tensor]:
-        """Replicated leaves are computed where they are; every leaf split over ranks is
-        assembled whole at its owner: every rank sends the blocks that count (not the copies),
-        the owner places them at their offsets, and every rank gets its block of the result
-        (copies too)."""
+        """Replicated leaves are computed where they are, and so are the blocks of a leaf
+        whose leading dims index matrices (batch_dims >= 1: experts) when every block holds
+        whole matrices (FSDP2's rows over expert parallelism's `Shard(0)`): each rank computes
+        its own, with no collective, an expert's work done once where it lies (again on a
+        copy). Every other leaf split over ranks is assembled whole at its owner: every rank
+        sends the blocks that count (not the copies), the owner places them at their offsets,
+        and every rank gets its block of the result (copies too)."""
         results: dict[int, Tensor] = {}
         local = [i for i in sorted(blocks) if not self.sharded[i]]
+        local += [i for i in sorted(blocks) if self.sharded[i] and self._whole_matrices(i, lead[i])]
+        results.update((i, blocks[i]) for i in local if not blocks[i].numel())
+        local = [i for i in local if blocks[i].numel()]
         if local:
             results.update(zip(local, run([blocks[i] for i in local], local)))
-        units = tuple(i for i in sorted(blocks) if self.sharded[i])
+        units = tuple(i for i in sorted(blocks) if i not in results)
         if not units:
             return results
         boxes, dtype = self.boxes, blocks[units[0]].dtype
@@ -166,8 +180,13 @@ class Boxes:
     world rank, `(offsets, shape)` (DTensor's own arithmetic, `_StridedShard` included), and
     whether that rank holds the copy that counts."""
 
-    def __init__(self, leaves: list[Any], root: Any, dims: list[tuple[int, ...]], copies: list[tuple[int, ...]]):
+    def __init__(
+        self, leaves: list[Any], root: Any, dims: list[tuple[tuple[int, ...], ...]], copies: list[tuple[int, ...]]
+    ):
+        # dims: per leaf, per dim of its mesh, the root dims it spans (one; several for a
+        # flattened mesh, its coordinate their row-major index)
         self.leaves, self.dims, self.copies = leaves, dims, copies
+        self.root_shape = tuple(root.mesh.shape)
         self.coords = [tuple(int(c) for c in (root.mesh == r).nonzero()[0]) for r in range(root.mesh.numel())]
         self._boxes: dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
 
@@ -178,16 +197,43 @@ class Boxes:
             if not is_dtensor(x):
                 self._boxes[i] = [((0,) * x.dim(), tuple(x.shape))] * len(self.coords)
             else:
-                shape, dims = tuple(x.device_mesh.shape), self.dims[i]
+                shape, dims, root = tuple(x.device_mesh.shape), self.dims[i], self.root_shape
                 self._boxes[i] = []
                 for c in self.coords:
-                    size, offset = compat.local_box(x.shape, shape, [c[d] for d in dims], x.placements)
+                    at = [_flat_index([c[d] for d in ds], [root[d] for d in ds]) for ds in dims]
+                    size, offset = compat.local_box(x.shape, shape, at, x.placements)
                     self._boxes[i].append((tuple(offset), tuple(size)))
         return self._boxes[i]
 
     def counts(self, i: int, rank: int) -> bool:
         """Whether `rank`'s block of leaf `i` is the copy that counts (the others repeat it)."""
         return all(self.coords[rank][d] == 0 for d in self.copies[i])
+
+
+def _flat_index(coordinate: list[int], shape: list[int]) -> int:
+    at = 0
+    for c, n in zip(coordinate, shape):
+        at = at * n + c
+    return at
+
+
+def _root_dims(mesh: Any, root: Any) -> tuple[tuple[int, ...], ...] | None:
+    """Per dim of `mesh`, the dims of `root` it spans: a named slice of the root, or a
+    flattening of some of its dims (`DeviceMesh._flatten`: one dim whose ranks run over those
+    root dims in row-major order, the others fixed at this rank's coordinate); None otherwise."""
+    names = root.mesh_dim_names
+    if mesh is root or mesh == root:
+        return tuple((d,) for d in range(root.ndim))
+    if mesh.mesh_dim_names and names and all(n in names for n in mesh.mesh_dim_names):
+        return tuple((names.index(n),) for n in mesh.mesh_dim_names)
+    if mesh.ndim != 1:
+        return None
+    me = root.get_coordinate()
+    ranks = mesh.mesh.flatten().tolist()
+    coords = [tuple(int(c) for c in (root.mesh == r).nonzero()[0]) for r in ranks]
+    spans = tuple(d for d in range(root.ndim) if len({c[d] for c in coords}) > 1)
+    index = tuple(slice(None) if d in spans else me[d] for d in range(root.ndim))
+    return (spans,) if root.mesh[index].flatten().tolist() == ranks else None
 
 
 def _local_shape(x: Any) -> torch.Size:
@@ -222,28 +268,28 @@ def placement(pairs: list[tuple[str, Any]]) -> TPBlocks:
     names = root.mesh_dim_names
     all_dims = tuple(range(root.ndim))
     copies: list[tuple[int, ...]] = []
-    mesh_dims: list[tuple[int, ...]] = []  # per leaf: the root dims its mesh spans
+    mesh_dims: list[tuple[tuple[int, ...], ...]] = []  # per leaf, per dim of its mesh: the root dims it spans
     for path, x in pairs:
         if not is_dtensor(x):
             copies.append(all_dims)
             mesh_dims.append(())
             continue
         mesh = x.device_mesh
-        if mesh is root or mesh == root:
-            dims = all_dims
-        elif mesh.mesh_dim_names and names and all(n in names for n in mesh.mesh_dim_names):
-            dims = tuple(names.index(n) for n in mesh.mesh_dim_names)
-        else:
-            raise ValueError(f"param '{path}': its mesh {mesh.mesh_dim_names} is no named slice of the root mesh")
+        dims = _root_dims(mesh, root)
+        if dims is None:
+            raise ValueError(
+                f"param '{path}': its mesh {mesh.mesh_dim_names} is neither a named slice of the root mesh nor a "
+                "flattening of its dims"
+            )
         mesh_dims.append(dims)
-        split = set()
-        for d, p in zip(dims, x.placements):
+        split: set[int] = set()
+        for ds, p in zip(dims, x.placements):
             if isinstance(p, Partial):
                 raise ValueError(f"param '{path}' is placed {tuple(x.placements)}: a Partial value is no block")
             if not isinstance(p, Replicate):
-                split.add(d)
+                split.update(ds)
         copies.append(tuple(d for d in all_dims if d not in split))
-    spanned = {d for dims in mesh_dims for d in dims}
+    spanned = {d for dims in mesh_dims for ds in dims for d in ds}
     if spanned != set(all_dims):  # a dim no leaf spans holds other params (pipeline stages), not copies
         left = [names[d] if names else d for d in all_dims if d not in spanned]
         raise ValueError(

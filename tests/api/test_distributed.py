@@ -234,8 +234,17 @@ def test_tensor_parallel_degrees_and_options_that_do_not_fit_fail_in_one_line(mo
         D.setup("hsdp+tp", "cpu", tp=3)
     with pytest.raises(ValueError, match="model.n_heads=4 heads"):
         GPT(dim=32, n_heads=4, n_layers=1).tp_plan(3)
+    with pytest.raises(ValueError, match="ep=3 does not divide the 4 ranks"):
+        D.setup("fsdp", "cpu", ep=3)
+    with pytest.raises(ValueError, match="ep=2 is expert parallelism's degree, built beside strategy='fsdp'"):
+        D.setup("hsdp", "cpu", ep=2)
+    with pytest.raises(ValueError, match="splits the model's 4 experts"):
+        GPT(dim=32, n_heads=4, n_layers=1, experts=4).ep_plan(3)
+    with pytest.raises(ValueError, match="needs a GPT with experts"):
+        GPT(dim=32, n_heads=4, n_layers=1).ep_plan(2)
     for overrides, field in (
         (["strategy=fsdp", "tp=2"], "tp"),
+        (["strategy=ddp", "ep=2"], "ep"),
         (["strategy=fsdp+tp", "precision=bf16-true"], "precision"),
     ):
         with pytest.raises(ConfigError) as e:
@@ -475,25 +484,44 @@ def test_eager_donated_update_runs_on_fsdp2_params(tmp_path):
     assert out.returncode == 0 and "ok" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
 
 
-def test_moe_gpt_on_two_fsdp2_ranks_matches_one_process(tmp_path, same_device_as_the_ranks):
-    """The GPT with 4 routed experts per block (`model.kwargs.experts`): FSDP2 shards each
-    (4, m, n) expert leaf by experts, so each rank holds 2 whole experts and Muon
-    orthogonalizes them where they lie (batch_dims from the model); the balance loss joins
-    the loss. Equal to one process after 4 steps, losses included. Every token goes to all 4
-    experts (softmax-weighted): with top-2, float noise in the grads' reduction order flips a
-    near-tie routing choice and moves upstream params by ~6e-5 in 4 steps (measured), so the
-    routing choice itself is checked in one process (tests/api/test_trainer.py)."""
+def test_moe_gpt_with_expert_parallelism_matches_one_process_and_resumes_across_ep_degrees(
+    tmp_path, same_device_as_the_ranks
+):
+    """The GPT with 4 routed experts per block (`model.kwargs.experts`) on 4 ranks with
+    `ep=2`: each EP pair splits the experts (2 per rank), token slots travel to their
+    expert's rank and back (all_to_all), FSDP2 shards each expert leaf over the 2 pairs (one
+    whole expert per rank, Muon orthogonalizing it where it lies, on the sharded path) and
+    everything else over all 4 ranks; the balance loss joins the loss. Equal to one process
+    after 4 steps, losses included. Its checkpoint resumes on FSDP2 over 2 ranks without
+    expert parallelism (2 whole experts per rank) and in one plain process, each equal to the
+    single-process run. Every token goes to all 4 experts (softmax-weighted): with top-2,
+    float noise in the grads' reduction order flips a near-tie routing choice and moves
+    upstream params by ~6e-5 in 4 steps (measured), so the routing choice itself is checked
+    in one process (tests/api/test_trainer.py)."""
     moe = 'model.kwargs={"experts": 4, "top_k": 4}'
-    out = torchrun(str(tmp_path / "moe"), "fsdp", "4", "--set", moe)
-    assert "path sharded" in out.stdout, out.stdout
+    out = torchrun(str(tmp_path / "ep"), "fsdp", "4", "--set", moe, "--set", "ep=2", nproc=4)
+    assert "path sharded" in out.stdout and "blocks over 4 ranks" in out.stdout, out.stdout
     ref = trainer(tmp_path / "single", "steps=4", moe)
     ref.fit()
-    got = load_checkpoint(tmp_path / "moe" / "checkpoints" / "step_00000004")
-    assert got.params["blocks.0.mlp.gate"].shape[0] == 4
+    got = load_checkpoint(tmp_path / "ep" / "checkpoints" / "step_00000004")
+    assert got.params["blocks.0.mlp.experts.gate"].shape[0] == 4 and got.manifest.world_size == 4
     for k, p in ref.named.items():
         torch.testing.assert_close(got.params[k], p.detach(), rtol=1e-3, atol=1e-5)
-    logged = [json.loads(line) for line in (tmp_path / "moe" / "metrics.jsonl").read_text().splitlines()]
+    logged = [json.loads(line) for line in (tmp_path / "ep" / "metrics.jsonl").read_text().splitlines()]
     ref_logged = [json.loads(line) for line in (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in logged if "loss" in r] == pytest.approx(
         [r["loss"] for r in ref_logged if "loss" in r], rel=1e-4
     )
+    # across EP degrees: EP 2 x FSDP 2 -> FSDP2 on 2 ranks, and -> one plain process
+    shutil.copytree(tmp_path / "ep", tmp_path / "fsdp")
+    out = torchrun(str(tmp_path / "fsdp"), "fsdp", "8", "--resume", "--set", moe)
+    assert "path sharded" in out.stdout, out.stdout
+    resumed = trainer(tmp_path / "ep", "steps=8", moe)
+    resumed.fit(resume=True)
+    ref = trainer(tmp_path / "single", "steps=8", moe)
+    ref.fit(resume=True)
+    on_two = load_checkpoint(tmp_path / "fsdp" / "checkpoints" / "step_00000008")
+    assert on_two.manifest.world_size == 2
+    for k, p in ref.named.items():
+        torch.testing.assert_close(on_two.params[k], p.detach(), rtol=1e-3, atol=1e-5)
+        torch.testing.assert_close(resumed.named[k], p, rtol=1e-3, atol=1e-5)

@@ -628,7 +628,7 @@ def test_moe_gpt_routes_like_a_per_token_reference_and_muon_sees_each_expert_as_
     torch.manual_seed(0)
     model = GPT(dim=16, n_layers=1, n_heads=2, seq_len=8, experts=4, top_k=2)
     moe = model.blocks[0].mlp
-    torch.nn.init.normal_(moe.down, std=0.1)
+    torch.nn.init.normal_(moe.experts.down, std=0.1)
     t = torch.randn(12, 16)
     with torch.no_grad():
         y = moe(t)
@@ -638,7 +638,8 @@ def test_moe_gpt_routes_like_a_per_token_reference_and_muon_sees_each_expert_as_
         for i in range(12):
             w, idx = probs[i].topk(2)
             for wj, e in zip(w / w.sum(), idx):
-                ref[i] += wj * (moe.down[e] @ (torch.nn.functional.silu(moe.gate[e] @ t[i]) * (moe.up[e] @ t[i])))
+                x = moe.experts
+                ref[i] += wj * (x.down[e] @ (torch.nn.functional.silu(x.gate[e] @ t[i]) * (x.up[e] @ t[i])))
                 hits[e] += 1
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(moe.balance_loss, 4 * (hits / 24 * probs.mean(0)).sum(), rtol=1e-5, atol=1e-7)
@@ -649,7 +650,7 @@ def test_moe_gpt_routes_like_a_per_token_reference_and_muon_sees_each_expert_as_
     got = trainer_transform(cfg, None, params, model, (None, None))
     experts = ps.muon_adamw(lr=cfg.optimizer.lr, batch_dims=model.batch_dims())
     flattened = ps.muon_adamw(lr=cfg.optimizer.lr)
-    updates = {name: t.update(grads, t.init(params), params)[0]["blocks.0.mlp.gate"] for name, t in
+    updates = {name: t.update(grads, t.init(params), params)[0]["blocks.0.mlp.experts.gate"] for name, t in
                (("got", got), ("experts", experts), ("flattened", flattened))}
     direction = {k: u / u.norm() for k, u in updates.items()}
     torch.testing.assert_close(direction["got"], direction["experts"], rtol=1e-4, atol=1e-6)

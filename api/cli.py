@@ -5,7 +5,8 @@ directory that holds another run) print one line naming the field or file and ex
 Run it data-parallel with `torchrun --nproc_per_node=N $(which purestep) ... --set strategy=fsdp` (or
 `--set strategy=hsdp --set replicate=R`: FSDP2 inside R replica groups; `--set strategy=tp`: tensor
 parallelism over every rank; `--set strategy=fsdp+tp --set tp=T`: TP within groups of T, FSDP2 over them;
-`--set strategy=hsdp+tp --set tp=T --set replicate=R`: TP within groups of T, HSDP over them).
+`--set strategy=hsdp+tp --set tp=T --set replicate=R`: TP within groups of T, HSDP over them;
+`--set strategy=fsdp --set ep=N`: a mixture-of-experts model's experts split over groups of N).
 """
 
 from __future__ import annotations

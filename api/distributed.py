@@ -199,9 +199,10 @@ def hsdp_mesh(world: World) -> Any:
     return _MESHES[key]
 
 
-def ep_mesh(world: World) -> Any:
-    """Expert parallelism's (efsdp, ep) device mesh of `world` (EP groups of `world.ep`
-    consecutive ranks) and its flattening "dp" over every rank, made once."""
+def ep_mesh(world: World) -> dict[str, Any]:
+    """Expert parallelism's meshes of `world`, made once: `"ep"` and `"efsdp"`, the dims of an
+    (efsdp, ep) mesh (EP groups of `world.ep` consecutive ranks), and `"dp"`, that mesh
+    flattened (every rank)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from purestep.core import _compat as compat
@@ -210,8 +211,7 @@ def ep_mesh(world: World) -> Any:
     key = (world.device.type, shape, "ep")
     if key not in _MESHES:
         mesh = init_device_mesh(world.device.type, shape, mesh_dim_names=("efsdp", "ep"))
-        compat.flatten_mesh(mesh, "dp")
-        _MESHES[key] = mesh
+        _MESHES[key] = {"ep": mesh["ep"], "efsdp": mesh["efsdp"], "dp": compat.flatten_mesh(mesh, "dp")}
     return _MESHES[key]
 
 

@@ -31,6 +31,10 @@ The model is `purestep.api.models.GPT` (dim 128, 24 blocks: 5.2M params in 147 t
   `AdamW(fused=True)` (torch's own `clip_grad_norm_` refuses the mixed meshes), with the
   equality check of AdamW alone. `tp-muon`: `muon` on that layout (each matrix assembled at its
   owner from its row x column blocks).
+- `hsdp-tp`, `hsdp-tp-muon` (8 ranks): `tp` and `muon` on torchtitan's 3-D layout, a
+  (replicate 2, shard 2, tp 2) mesh: the TP plan over "tp", HSDP over (replicate, shard).
+- `ep`: `muon` on the MoE GPT (4 experts per block, 6 blocks) with expert parallelism 2
+  beside FSDP2 2 (the Trainer's `ep = 2`): each expert's Newton-Schulz runs once, where it lies.
 
 4 ranks on a 2-core machine oversubscribe it: only ratios measured in one run compare.
 """
@@ -274,10 +278,12 @@ def _matmul_flops(fn) -> float:
     return float(sum(e.flops or 0 for e in prof.key_averages() if e.key in ("aten::bmm", "aten::baddbmm", "aten::mm", "aten::addmm")))
 
 
-def part_muon(mesh, args, label: str = "HSDP 2x2", model_fn=None) -> list[str]:
+def part_muon(mesh, args, label: str = "HSDP 2x2", model_fn=None, whole_fn=None) -> list[str]:
+    """`whole_fn`: the same model in this process alone (the GPT of `build(None)` by default);
+    every rank reads the same batch, so the mesh's grads are the one process's."""
     opt = lambda: ps.muon_adamw(lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float32)  # noqa: E731
     if model_fn is None:
-        mine, update, _ = purestep_step(mesh, opt())
+        mine, update, model = purestep_step(mesh, opt())
     else:
         model = model_fn()
         params, grads = dict(model.named_parameters()), grads_of(model)
@@ -287,40 +293,44 @@ def part_muon(mesh, args, label: str = "HSDP 2x2", model_fn=None) -> list[str]:
     every = [torch.zeros(1) for _ in range(dist.get_world_size())]
     dist.all_gather(every, flops)
     times = interleaved({"mesh": mine}, args.steps)
-    one_ms = whole_flops = None
+    calls = 3 + 1 + 3 + args.steps  # the mesh step's calls so far (_matmul_flops: 3 warm + 1; interleaved: 3 warm + the timed)
+    mesh_params = {k: v.full_tensor() for k, v in model.named_parameters()}
+    one_ms = whole_flops = worst = None
     if dist.get_rank() == 0:  # the same update on the whole model, in this process alone
-        model = build(None)
+        model = (whole_fn or (lambda: build(None)))()
         params = dict(model.named_parameters())
         grads = grads_of(model)
         state = opt().init(params)
         whole = ps.make_update(opt(), compile=True, donate=True)
         step = lambda: whole(params, grads, state)  # noqa: E731
         whole_flops = _matmul_flops(step)
-        for _ in range(3):
-            step()
         import time
 
         ts = []
-        for _ in range(args.steps):
+        for _ in range(calls - 4):
             t = time.perf_counter()
             step()
             ts.append(time.perf_counter() - t)
         one_ms = statistics.median(ts) * 1e3
+        with torch.no_grad():  # both ran `calls` steps from the same params and grads
+            worst = max(float((mesh_params[k] - p).abs().max() / p.abs().max().clamp(min=1e-12)) for k, p in params.items())
     dist.barrier()
     if dist.get_rank() != 0:
         return []
     per_rank = [float(f) for f in every]
+    n = len(per_rank)
     return [
-        f"### Muon on {label} (`muon_adamw(ns_dtype=float32)`, owner-computes over all 4 ranks)",
+        f"### Muon on {label} (`muon_adamw(ns_dtype=float32)`, owner-computes over all {n} ranks)",
         "",
         f"`explain()`: {update.explain()}",
         "",
         "| | value |",
         "|---|---|",
-        f"| Newton-Schulz (matmul) GFLOPs per rank, ranks 0-3 | {', '.join(f'{f / 1e9:.3f}' for f in per_rank)} |",
+        f"| Newton-Schulz (matmul) GFLOPs per rank, ranks 0-{n - 1} | {', '.join(f'{f / 1e9:.3f}' for f in per_rank)} |",
         f"| the whole model's in one process | {whole_flops / 1e9:.3f} |",
-        f"| largest rank / whole model | {max(per_rank) / whole_flops:.3f} (target: at most 1/4 plus one block) |",
+        f"| largest rank / whole model | {max(per_rank) / whole_flops:.3f} (target: at most 1/{n} plus one matrix) |",
         f"| step, mesh / one process | {times['mesh'] * 1e3:.1f} ms / {one_ms:.1f} ms = {times['mesh'] * 1e3 / one_ms:.2f}x |",
+        f"| params after {calls} steps, mesh vs one process: largest relative difference | {worst:.2e} (target: 1e-6) |",
         "",
     ]
 
@@ -340,7 +350,38 @@ def build_tp(n_layers: int = 24, dim: int = 128) -> torch.nn.Module:
     return model
 
 
-def part_tp(mesh, args) -> list[str]:
+def build_hsdp_tp(n_layers: int = 24, dim: int = 128) -> torch.nn.Module:
+    """The GPT on 8 ranks' (replicate 2, shard 2, tp 2) mesh: the TP plan over "tp", HSDP over
+    (replicate, shard) (torchtitan's 3-D layout, the Trainer's `strategy = "hsdp+tp"`)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+    torch.manual_seed(0)
+    model = GPT(dim=dim, n_layers=n_layers, n_heads=4, seq_len=64)
+    parallelize_module(model, mesh["tp"], model.tp_plan(2))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["replicate", "shard"])
+    fully_shard(model, mesh=mesh["replicate", "shard"])
+    return model
+
+
+def moe_gpt(n_layers: int = 6, dim: int = 128) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return GPT(dim=dim, n_layers=n_layers, n_heads=4, seq_len=64, experts=4, top_k=2)
+
+
+def build_ep() -> torch.nn.Module:
+    """The MoE GPT (4 experts per block) on 4 ranks with expert parallelism 2 beside FSDP2 2
+    (the Trainer's `ep = 2`: `purestep.api.distributed.wrap`)."""
+    from purestep.api import distributed as D
+
+    rank = dist.get_rank()
+    return D.wrap(moe_gpt(), D.World(rank, 4, rank, torch.device("cpu"), "fsdp", ep=2))
+
+
+def part_tp(mesh, args, build_tp=build_tp, label: str = "FSDP2 beside TP on (dp 2, tp 2)") -> list[str]:
     def step_of(transform, n_layers: int = 24):
         model = build_tp(n_layers)
         params, grads = dict(model.named_parameters()), grads_of(model)
@@ -377,7 +418,7 @@ def part_tp(mesh, args) -> list[str]:
         return []
     fused_ms = statistics.median(m[list(fns)[2]] for m in medians) * 1e3
     n = sum(p.numel() for p in model.parameters())
-    lines = [f"### FSDP2 beside TP on (dp 2, tp 2), {n / 1e6:.1f}M params ({len(list(model.parameters()))} tensors)", "",
+    lines = [f"### {label}, {n / 1e6:.1f}M params ({len(list(model.parameters()))} tensors)", "",
              f"`explain()`: {update.explain()}", "", "| contender | median ms (spread over reps) | / fused |", "|---|---|---|"]
     for name in fns:
         per_rep = [m[name] * 1e3 for m in medians]
@@ -385,7 +426,7 @@ def part_tp(mesh, args) -> list[str]:
         lines.append(f"| {name} | {ms:.1f} ({min(per_rep):.1f}-{max(per_rep):.1f}) | {ms / fused_ms:.2f} |")
     lines += ["", f"Equality of AdamW alone after {args.check} steps from the same params and grads: largest relative "
               f"difference of the params {worst:.2e} (float32).", "",
-              "Collectives per step on FSDP+TP (rank 0, profiler; at 24 and 6 blocks)", "",
+              f"Collectives per step on {label} (rank 0, profiler; at 24 and 6 blocks)", "",
               "| step | tensors | collectives |", "|---|---|---|", *[f"| {n} | {t} | {c} |" for n, t, c in counts], ""]
     return lines
 
@@ -408,30 +449,37 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", nargs="+", default=["step", "muon", "collectives"],
-                    choices=["step", "muon", "collectives", "tp", "tp-muon", "replicas"])
+                    choices=["step", "muon", "collectives", "tp", "tp-muon", "replicas", "ep", "hsdp-tp", "hsdp-tp-muon"])
     ap.add_argument("--steps", type=int, default=10, help="interleaved steps per repeat (median)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--check", type=int, default=5, help="steps of the equality check")
     ap.add_argument("--out", default=None, help="a markdown path, or 'auto' for benchmarks/results/<date>-mesh-hsdp-cpu.md")
     args = ap.parse_args()
     dist.init_process_group("gloo")
-    if dist.get_world_size() != 4:
-        raise SystemExit("bench_mesh.py runs on 4 ranks: torchrun --nproc_per_node=4")
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    world = dist.get_world_size()
+    eight = {"hsdp-tp", "hsdp-tp-muon"}  # the parts on 8 ranks; every other part on 4
+    if world != (8 if set(args.parts) <= eight else 4) or (world == 8 and not set(args.parts) <= eight):
+        raise SystemExit("bench_mesh.py runs its hsdp-tp parts on 8 ranks and the others on 4: torchrun --nproc_per_node=N")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if world == 4 else None
     lines: list[str] = []
+    hsdp_tp = "HSDP beside TP on (replicate 2, shard 2, tp 2)"
     for part in args.parts:
         lines += {"step": part_step, "muon": part_muon, "collectives": part_collectives, "tp": part_tp,
                   "replicas": part_replicas,
-                  "tp-muon": lambda mesh, args: part_muon(mesh, args, "FSDP+TP 2x2", build_tp)}[part](mesh, args)
+                  "tp-muon": lambda mesh, args: part_muon(mesh, args, "FSDP+TP 2x2", build_tp),
+                  "hsdp-tp": lambda mesh, args: part_tp(mesh, args, build_hsdp_tp, hsdp_tp),
+                  "hsdp-tp-muon": lambda mesh, args: part_muon(mesh, args, hsdp_tp, build_hsdp_tp),
+                  "ep": lambda mesh, args: part_muon(mesh, args, "EP 2 x FSDP 2 (MoE GPT, 4 experts per block, 6 blocks)",
+                                                     build_ep, moe_gpt)}[part](mesh, args)
     if dist.get_rank() == 0:
         head = [
             f"# The step on an HSDP mesh ({datetime.date.today()})",
             "",
-            f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, 4 ranks (gloo, CPU, "
+            f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {world} ranks (gloo, CPU, "
             f"oversubscribed: compare ratios of one run), OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}; "
             f"torch {torch.__version__}, Python {platform.python_version()}; load average {os.getloadavg()[0]:.2f}.",
             "",
-            f"Command: `OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} torchrun --nproc_per_node=4 "
+            f"Command: `OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} torchrun --nproc_per_node={world} "
             f"benchmarks/{Path(sys.argv[0]).name} {' '.join(sys.argv[1:])}`",
             "",
         ]

@@ -74,9 +74,9 @@ from ._normuon import scale_by_normuon as scale_by_normuon
 from ._soap import SOAPState as SOAPState
 from ._soap import scale_by_soap as scale_by_soap
 from ._soap import soap as soap
-from ._low_precision import CompensatedUpdatesState as CompensatedUpdatesState
+from ._compensated import CompensatedUpdatesState as CompensatedUpdatesState
 from ._low_precision import QuantizedTensor as QuantizedTensor
-from ._low_precision import compensated_updates as compensated_updates
+from ._compensated import compensated_updates as compensated_updates
 from ._low_precision import dequantize_blockwise as dequantize_blockwise
 from ._low_precision import quantize_blockwise as quantize_blockwise
 from ._low_precision import stochastic_round as stochastic_round

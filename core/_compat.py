@@ -61,8 +61,8 @@ def root_mesh(mesh: Any) -> Any:
 
 
 def flatten_mesh(mesh: Any, name: str) -> Any:
-    """`mesh`'s dims flattened into one named `name`, then reachable as `mesh[name]`
-    (`DeviceMesh._flatten`, private on 2.11 to 2.15)."""
+    """`mesh`'s dims flattened into one mesh named `name` (`DeviceMesh._flatten`, private on
+    2.11 to 2.15; keep the mesh it returns: slicing it from the root is deprecated)."""
     return mesh._flatten(name)
 
 

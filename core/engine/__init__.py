@@ -16,14 +16,13 @@ from torch import Tensor
 
 from .. import _tree as tr
 from .._base import Params, PyTree
-from . import sharded as _sharded
 from .compiling import compile_per_leaf
 from .donate import copy_scalars
 from .dtensor import has_dtensors
 from .flat import FlatStep, FlatUpdate
 from .per_leaf import PerLeaf
 from .replicas import OverReplicas, hsdp_replicas
-from .sharded import ShardedEager, ShardedUpdate
+from .sharded import ShardedEager, sharded_update
 
 
 def _tied_leaves(tree: PyTree) -> tuple[str, str] | None:
@@ -63,6 +62,10 @@ class Runner(Protocol):
 
     def plans(self, params: Any, agree: bool = True) -> bool: ...
 
+    def describe(self, params: Any) -> str:
+        """What runs on these params, for `explain()` (once `plans` said yes)."""
+        ...
+
     def layout(self) -> dict[str, list[str]] | None: ...
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
@@ -73,7 +76,7 @@ class Engine:
     on the first call and again when the kind of leaves changes (see core/README.md):
 
     - "sharded": DTensor (FSDP2/HSDP) params, this rank's blocks: flat buffers compiled
-      (`sharded.ShardedUpdate`) or in place eager (`sharded.ShardedEager`);
+      (`sharded.sharded_update`: `FlatUpdate` given `ShardBlocks`) or in place eager (`sharded.ShardedEager`);
     - "flat": `compile=True`, plain dense leaves, flat buffers per group (`flat`);
     - "per-leaf compiled" / "eager in place": the update leaf by leaf, compiled or eager
       (where a transform or the leaves cannot run on flat buffers: `explain()` says why);
@@ -97,9 +100,9 @@ class Engine:
             p = self.program
             make: dict[str, Callable[[], Runner]] = {
                 "flat": lambda: FlatUpdate(p) if p.kind == "update" else FlatStep(p),
-                "sharded": lambda: ShardedUpdate(p) if self.compile else ShardedEager(p),
+                "sharded": lambda: sharded_update(p) if self.compile else ShardedEager(p),
                 "sharded over replicas": lambda: OverReplicas(
-                    ShardedUpdate(p) if self.compile else ShardedEager(p),
+                    sharded_update(p) if self.compile else ShardedEager(p),
                     None if self.over_replicas is True else self.over_replicas,
                 ),
                 "per-leaf compiled": lambda: PerLeaf(
@@ -143,16 +146,12 @@ class Engine:
                 )
                 runner = self._runner("sharded over replicas" if split else "sharded")
                 if runner.plans(params, agree=agree):
-                    how = (
-                        "flat buffers over this rank's blocks" if self.compile else "this rank's blocks in place, eager"
-                    )
-                    on = runner.proxies if isinstance(runner, OverReplicas) else params
                     note = (
                         "; shard_state_over_replicas: these params have no replicas to shard over"
                         if self.over_replicas and not split
                         else ""
                     )
-                    return _Path("sharded", f"DTensor params: {how}; {_sharded.describe(on)}{note}", runner)
+                    return _Path("sharded", f"DTensor params: {runner.describe(params)}{note}", runner)
                 why = runner.why_not or "the sharded path cannot take these params"
             return _Path("per-leaf DTensor", f"{why}; eager, on whole DTensors", self._runner("per-leaf DTensor"))
         if self.compile and self.flat_asked:
@@ -161,13 +160,18 @@ class Engine:
             else:
                 flat = self._runner("flat")
                 if flat.plans(params):
-                    summary = flat.plan_for(params).summary  # type: ignore[attr-defined]  # a FlatUpdate
-                    return _Path("flat", f"compile=True, donate=True: {summary}", flat)
+                    return _Path("flat", f"compile=True, donate=True: {flat.describe(params)}", flat)
                 why = flat.why_not or "no flat layout"
             return _Path("per-leaf compiled", f"not on flat buffers: {why}", self._runner("per-leaf compiled"))
         if self.compile:
             return _Path("per-leaf compiled", "flat=False", self._runner("per-leaf compiled"))
-        return _Path("eager in place", "donate=True without compile", self._runner("eager in place"))
+        why = "donate=True without compile"
+        if self.program.kind == "update":  # `UpdateProgram.eager`: the in-place forms take neither
+            why += (
+                "; a call with torch's AMP inputs (grad_scale, found_inf) or the transform's own inputs "
+                "(max_logits=, hessian=) runs the pure update and copies it in"
+            )
+        return _Path("eager in place", why, self._runner("eager in place"))
 
     def explain(self, params: Params | None = None) -> str:
         """Which path runs the update or step, and why: "flat", "sharded", "per-leaf compiled",
@@ -183,7 +187,4 @@ class Engine:
 
     def layout(self) -> dict[str, list[str]] | None:
         """The flat buffers in use: `{buffer: [leaf paths]}`, or None on a per-leaf path."""
-        run = self.path.run if self.path else None
-        if isinstance(run, OverReplicas):
-            run = run.inner
-        return run.layout() if isinstance(run, FlatUpdate) and run.bound is not None else None
+        return self.path.run.layout() if self.path else None

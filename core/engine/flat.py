@@ -48,65 +48,81 @@ class _Bound:
     inputs: Any = None
 
 
-class FlatUpdate:
-    """A compiled, donated update over packed buffers (see the module docstring).
+class OwnTensors:
+    """What the buffers of a flat runner stand for in one process: the user's own tensors.
 
-    `__call__(params, grads, opt_state[, ema_state])` updates the user's trees in place.
-    `program` is make_update's (`UpdateProgram`): its `pure` form, the update as a pure
-    function of trees, is what runs compiled over the buffers."""
+    The runner is given this object (`sharded.ShardBlocks` over FSDP2's and TP's blocks): it
+    says which tensors the buffers stand for (`local`), plans their layout (`plan`, `agree`:
+    the ranks' answers made one), how much room a param buffer needs past its end (`slack`),
+    how the params move into the buffers (`bind_params`) and what follows a run (`after_run`:
+    copies back where a param could not move), whether a grad that views another buffer is
+    re-pointed (`repoint_grad_views`), and what `explain()` says of it (`describe`)."""
+
+    repoint_grad_views = False  # a grad viewing someone else's buffer (DDP's bucket) is copied, left be
+
+    def local(self, tree: Any) -> Any:
+        return tree
+
+    def local_leaves(self, leaves: list) -> list:
+        return leaves
+
+    def plan(self, transform: Any, params: Any) -> Any:
+        return plan(transform, params)
+
+    def agree(self, ok: bool, params: Any, runner: Any) -> bool:
+        return ok
+
+    def slack(self, params: Any, group: Any) -> int:
+        return 0
+
+    def bind_params(self, params: Any, packed_params: Packed, groups: list, p_raw: list[Tensor]) -> None:
+        bind_tree(params, packed_params, "params")
+
+    def after_run(self) -> None:
+        pass
+
+    def describe(self, pack: Any, params: Any) -> str:
+        return pack.summary
+
+
+class _FlatRunner:
+    """Planning and binding shared by `FlatUpdate` and `FlatStep` (see the module docstring):
+    the buffers stand for `leaves`' tensors (`OwnTensors` in one process)."""
 
     grads_in = True  # grads come from the caller (make_step computes its own)
-    # See `compile_own`: an update's buffers never change size, so it compiles static (Dynamo's
-    # sizes remembered from another update would otherwise make its shape arithmetic symbolic:
-    # before 2.12, NorMuon's per-matrix scales came out wrong then). make_step's batches do.
-    static_compile = True
 
-    def __init__(self, program: Any) -> None:
+    def __init__(self, program: Any, leaves: Any = None) -> None:
         self.transform, self.pure, self.averaging = program.transform, program.pure, program.averaging
         self.metrics = program.metrics  # `pure` returns its metrics last; the step hands them back
+        self.leaves = leaves if leaves is not None else OwnTensors()
         self.bound: _Bound | None = None
         self.why_not: str | None = None  # why the last `plans` said no
         self._planned: tuple[list[int], Any] | None = None
 
-    def layout(self) -> dict[str, list[str]]:
-        return {g.key: [m.path for m in g.members] for g in self._bound().groups}
+    def layout(self) -> dict[str, list[str]] | None:
+        if self.bound is None:
+            return None
+        return {g.key: [m.path for m in g.members] for g in self.bound.groups}
+
+    def describe(self, params: Any) -> str:
+        """What runs on these params, for `explain()` (once `plans` said yes)."""
+        return self.leaves.describe(self.plan_for(params), params)
+
+    def _compile(self, specs: list[pytree.TreeSpec], device: torch.device) -> Callable:
+        """The step over the buffers, compiled: each runner's own (an update's, a step's)."""
+        raise NotImplementedError
 
     def _bound(self) -> _Bound:
         """The binding, once the first call made it."""
         assert self.bound is not None, "not bound yet: the first call binds"
         return self.bound
 
-    # -- what a subclass over other leaves (FSDP2 shards, `_sharded`) changes ----
-    def local(self, tree: Any) -> Any:
-        """The tensors the buffers stand for, leaf for leaf (the user's own here)."""
-        return tree
-
-    def local_leaves(self, leaves: list) -> list:
-        return leaves
-
     def plan_for(self, params: Any) -> Any:
         """The layout for these params, planned once (`plans` then binding reuse it)."""
         key = [id(x) for x in pytree.tree_leaves(params)]
         if self._planned is None or self._planned[0] != key:
-            self._planned = (key, self.plan_layout(params))
+            self._planned = (key, self.leaves.plan(self.transform, params))
         return self._planned[1]
-
-    def plan_layout(self, params: Any) -> Any:
-        return plan(self.transform, params)
-
-    def bind_params(self, params: Any, packed_params: Packed, groups: list, p_raw: list[Tensor]) -> None:
-        bind_tree(params, packed_params, "params")
-
-    def slack(self, params: Any, group: Any) -> int:
-        """Elements to allocate past the end of a group's param buffer."""
-        return 0
-
-    def after_run(self) -> None:
-        pass
-
-    def repoint_grads_views(self) -> bool:
-        """Re-point grads that are views into someone else's buffer too (else copied)."""
-        return False
 
     # -- binding -------------------------------------------------------------
     def plans(self, params: Any, agree: bool = True) -> bool:
@@ -114,24 +130,24 @@ class FlatUpdate:
         `agree` matters over shards only (the ranks' answers in one collective)."""
         try:
             self.plan_for(params)
-            self.why_not = None
-            return True
+            self.why_not, ok = None, True
         except NotPacked as e:
-            self.why_not = e.reason
-            return False
+            self.why_not, ok = e.reason, False
+        return self.leaves.agree(ok, params, self) if agree else ok
 
     def _bind(self, params: Any, opt_state: Any, ema_state: Any) -> None:
         pack = self.plan_for(params)
         user_state, user_ema = opt_state, ema_state  # kept to tell a new state tree from this one
-        params, opt_state, ema_state = self.local(params), self.local(opt_state), self.local(ema_state)
+        local = self.leaves.local
+        params, opt_state, ema_state = local(params), local(opt_state), local(ema_state)
         groups, spec = pack.groups, pack.orig_spec
         pairs, _ = tr.tree_flatten_with_path(params)
-        p_raw = [torch.empty(g.numel + self.slack(params, g), dtype=g.dtype, device=g.device) for g in groups]
+        p_raw = [torch.empty(g.numel + self.leaves.slack(params, g), dtype=g.dtype, device=g.device) for g in groups]
         p_buf = [r[: g.numel].view(g.shape) for g, r in zip(groups, p_raw)]
         # make_step computes its grads inside the step: no grad buffer to keep.
         g_buf = [torch.zeros(g.shape, dtype=g.dtype, device=g.device) for g in groups] if self.grads_in else []
         packed_params, packed_grads = Packed(pack, p_buf), (Packed(pack, g_buf) if self.grads_in else None)
-        self.bind_params(params, packed_params, groups, p_raw)
+        self.leaves.bind_params(params, packed_params, groups, p_raw)
         with torch.no_grad():
             packed_state = self.transform.init(packed_params)
             packed_ema = self.averaging[0](packed_params) if self.averaging is not None else None
@@ -160,6 +176,47 @@ class FlatUpdate:
             clock=HostClock(pack.phases),
         )
 
+    def _grads_in(self, grads: Any) -> None:
+        b = self._bound()
+        views, keys = b.grad_views, b.keys
+        if keys is not None and type(grads) is dict and list(grads) == keys:
+            leaves = list(grads.values())
+        else:
+            leaves = tr.check_match(grads, pytree.tree_unflatten(b.params, b.param_spec))
+        stale = [(v, g) for v, g in zip(views, leaves) if g.data_ptr() != v.data_ptr() or g.shape != v.shape]
+        with torch.no_grad():
+            for v, g in stale:
+                if g._is_view() and not self.leaves.repoint_grad_views:  # a view into a DDP bucket: copy, leave it be
+                    v.copy_(g)
+                else:
+                    # One copy into the flat grad buffer; the grad tensor then views it, so a
+                    # `loss.backward()` after `zero_grad(set_to_none=False)` writes there directly.
+                    repoint_(g, v, "grads")
+
+    def _params_moved(self, params: Any) -> bool:
+        leaves = self.leaves.local_leaves(list(params.values()) if type(params) is dict else pytree.tree_leaves(params))
+        b = self._bound()
+        return len(leaves) != len(b.params) or any(
+            x is not y or x.data_ptr() != ptr for x, y, ptr in zip(leaves, b.params, b.param_ptrs)
+        )
+
+    def _take_in_state(self, opt_state: Any, ema_state: Any) -> None:
+        b = self._bound()
+        if opt_state is not b.state:
+            bind_tree(self.leaves.local(opt_state), pytree.tree_unflatten(b.buffers[2], b.specs[2]), "opt_state")
+            b.state = opt_state
+        if self.averaging is not None and ema_state is not b.ema:
+            bind_tree(self.leaves.local(ema_state), pytree.tree_unflatten(b.buffers[3], b.specs[3]), "ema_state")
+            b.ema = ema_state
+
+
+class FlatUpdate(_FlatRunner):
+    """A compiled, donated update over packed buffers (see the module docstring).
+
+    `__call__(params, grads, opt_state[, ema_state])` updates the user's trees in place.
+    `program` is make_update's (`UpdateProgram`): its `pure` form, the update as a pure
+    function of trees, is what runs compiled over the buffers."""
+
     def _compile(self, specs: list[pytree.TreeSpec], device: torch.device) -> Callable:
         pure, averaging, metrics = self.pure, self.averaging, self.metrics
 
@@ -172,33 +229,11 @@ class FlatUpdate:
                 write_back(dst, src)
             return out[-1] if metrics else None
 
-        return compile_own(step, device, static=self.static_compile)
+        # An update's buffers never change size: it compiles static (Dynamo's sizes remembered
+        # from another update would otherwise make its shape arithmetic symbolic, and the
+        # owner assignment of the sharded path sorts the plan's sizes: `compile_own`).
+        return compile_own(step, device, static=True)
 
-    def _grads_in(self, grads: Any) -> None:
-        b = self._bound()
-        views, keys = b.grad_views, b.keys
-        if keys is not None and type(grads) is dict and list(grads) == keys:
-            leaves = list(grads.values())
-        else:
-            leaves = tr.check_match(grads, pytree.tree_unflatten(b.params, b.param_spec))
-        stale = [(v, g) for v, g in zip(views, leaves) if g.data_ptr() != v.data_ptr() or g.shape != v.shape]
-        with torch.no_grad():
-            for v, g in stale:
-                if g._is_view() and not self.repoint_grads_views():  # a view into a DDP bucket: copy, leave it be
-                    v.copy_(g)
-                else:
-                    # One copy into the flat grad buffer; the grad tensor then views it, so a
-                    # `loss.backward()` after `zero_grad(set_to_none=False)` writes there directly.
-                    repoint_(g, v, "grads")
-
-    def _params_moved(self, params: Any) -> bool:
-        leaves = self.local_leaves(list(params.values()) if type(params) is dict else pytree.tree_leaves(params))
-        b = self._bound()
-        return len(leaves) != len(b.params) or any(
-            x is not y or x.data_ptr() != ptr for x, y, ptr in zip(leaves, b.params, b.param_ptrs)
-        )
-
-    # -- the step --------------------------------------------------------------
     def __call__(
         self, params: Any, grads: Any, opt_state: Any, ema_state: Any = None, amp: Any = None, extra: Any = None
     ) -> Any:
@@ -207,7 +242,7 @@ class FlatUpdate:
             self._bind(params, opt_state, ema_state)
             b = self._bound()
         self._take_in_state(opt_state, ema_state)
-        self._grads_in(self.local(grads))
+        self._grads_in(self.leaves.local(grads))
         branch = b.clock.start(opt_state)
         try:
             # With torch's AMP inputs (0-d tensors, new ones each call) or the transform's own
@@ -216,24 +251,15 @@ class FlatUpdate:
             if amp is None and not extra:
                 out = _run(b, b.buffers, branch)
             else:
-                extra = {k: self.local(v) for k, v in (extra or {}).items()}
+                extra = {k: self.leaves.local(v) for k, v in (extra or {}).items()}
                 like = tuple(sorted(k for k, v in extra.items() if pytree.tree_structure(v) == b.param_spec))
                 out = b.fn(*b.buffers, amp, extra, like)
         finally:
             b.clock.stop()
-        self.after_run()
+        self.leaves.after_run()
         if out is not None and amp is None and not extra and branch in b.graphs:  # a graph rewrites its outputs
             out = pytree.tree_map(lambda x: x.clone() if isinstance(x, Tensor) else x, out)
         return out
-
-    def _take_in_state(self, opt_state: Any, ema_state: Any) -> None:
-        b = self._bound()
-        if opt_state is not b.state:
-            bind_tree(self.local(opt_state), pytree.tree_unflatten(b.buffers[2], b.specs[2]), "opt_state")
-            b.state = opt_state
-        if self.averaging is not None and ema_state is not b.ema:
-            bind_tree(self.local(ema_state), pytree.tree_unflatten(b.buffers[3], b.specs[3]), "ema_state")
-            b.ema = ema_state
 
 
 def _run(b: _Bound, args: list, branch: Any = None) -> Any:
@@ -258,14 +284,13 @@ def _run(b: _Bound, args: list, branch: Any = None) -> Any:
     return out
 
 
-class FlatStep(FlatUpdate):
+class FlatStep(_FlatRunner):
     """`make_step`'s compiled, donated step over packed buffers: the loss and grads are
     taken on per-leaf views of the param buffers, the grads packed, then the update runs
     on the buffers as in `FlatUpdate`. `pure(params, opt_state, batch, buffers, with_buffers)`
     is make_step's pure step, which accepts packed params."""
 
     grads_in = False
-    static_compile = False  # its batches change shape
 
     def _compile(self, specs: list[pytree.TreeSpec], device: torch.device) -> Callable:
         pure, p_spec, s_spec = self.pure, specs[0], specs[2]
@@ -277,9 +302,9 @@ class FlatStep(FlatUpdate):
                 write_back(dst, src)
             return metrics
 
-        return compile_own(step, device)
+        return compile_own(step, device)  # not static: its batches change shape
 
-    def __call__(  # type: ignore[override]  # make_step's step: (params, state, batch[, buffers])
+    def __call__(  # make_step's step: (params, state, batch[, buffers])
         self, params: Any, opt_state: Any, batch: Any, buffers: Any = None, with_buffers: bool = False
     ) -> dict:
         b = self.bound

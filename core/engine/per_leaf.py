@@ -28,5 +28,8 @@ class PerLeaf:
     def layout(self) -> None:
         return None
 
+    def describe(self, params: Any) -> str:
+        return ""
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.run(*args, **kwargs)

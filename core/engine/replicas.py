@@ -10,7 +10,7 @@ each rank holds 1/(R·S) of every state leaf:
   (`torch.chunk` of the block's rows over the replicas, `rows.nested_placements`), its
   local tensor a copy owned here; the grads' pieces are read from the user's grad blocks
   (equal across replicas: no communication);
-- the sharded path (`sharded.ShardedUpdate` compiled, `ShardedEager` eager) runs on the
+- the sharded path (`sharded.sharded_update` compiled, `ShardedEager` eager) runs on the
   proxies: over these placements it sees one row layout of all R·S ranks (`rows._nested`),
   so elementwise math runs on the piece, tree-wide reductions are one all_reduce over all
   ranks and whole-matrix math is owner-computes over all of them;
@@ -95,6 +95,9 @@ class OverReplicas:
 
     def layout(self) -> Any:
         return self.inner.layout()
+
+    def describe(self, params: Any) -> str:
+        return self.inner.describe(self.proxies)
 
     @property
     def bound(self) -> Any:

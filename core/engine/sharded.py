@@ -3,7 +3,7 @@
 FSDP2 params (and grads, and any state built from them) are `DTensor`s sharded on dim 0:
 each rank holds a contiguous block of rows of every leaf, `Tensor`-typed, in
 `DTensor._local_tensor`. Elementwise math does not care that a block is not the whole
-leaf, so `ShardedUpdate` lays the local blocks out in flat buffers exactly as `flat` does
+leaf, so the flat runner given `ShardBlocks` lays the local blocks out in flat buffers as `flat` does
 in one process and runs the compiled step there: one kernel per group, no DTensor
 dispatch. What is not elementwise goes through `ops`, which the params' placement
 (`placement.Placement`, read by `mesh.placement`) serves:
@@ -38,20 +38,20 @@ from torch import Tensor
 from .. import _tree as tr
 from .donate import aliases, move_storage
 from .dtensor import is_dtensor, local, local_tree
-from .flat import FlatUpdate
+from .flat import FlatUpdate, OwnTensors
 from .mesh import describe as describe
 from .mesh import placement
 from .needs import plan
 from .packed import NotPacked, Packed, PackSpec
 
 
-class ShardedUpdate(FlatUpdate):
-    """`FlatUpdate` over this rank's FSDP2 shards (see the module docstring)."""
+class ShardBlocks(OwnTensors):
+    """What the flat runner's buffers stand for over shards: this rank's blocks of the
+    DTensor params (see the module docstring), planned on their placement."""
 
-    static_compile = True  # its owner assignment sorts the plan's sizes: they must stay ints
+    repoint_grad_views = True  # FSDP2 accumulates into `grad._local_tensor`: let it write the buffer
 
-    def __init__(self, program: Any) -> None:
-        super().__init__(program)
+    def __init__(self) -> None:
         self.copy_back: list[tuple[Tensor, Tensor]] = []
 
     def local(self, tree: Any) -> Any:
@@ -59,6 +59,28 @@ class ShardedUpdate(FlatUpdate):
 
     def local_leaves(self, leaves: list) -> list:
         return [local(x) for x in leaves]
+
+    def plan(self, transform: Any, params: Any) -> Any:
+        try:
+            info = placement(params)
+            tags = [info.tags(i) for i in range(len(info.shapes))]
+            return plan(transform, local_tree(params), tags=tags, shard=info)
+        except ValueError as e:  # a placement or mesh the sharded path does not take
+            raise NotPacked(str(e)) from e
+
+    def agree(self, ok: bool, params: Any, runner: Any) -> bool:
+        return _agree(ok, params, runner)
+
+    def slack(self, params: Any, group: Any) -> int:
+        """Room for the padding FSDP2 keeps past a block (its storage is the padded shard)."""
+        leaves = pytree.tree_leaves(params)
+        return max(
+            [
+                leaves[m.index].untyped_storage().nbytes() // leaves[m.index].element_size() - m.numel
+                for m in group.members
+            ]
+            + [0]
+        )
 
     def bind_params(self, params: Any, packed_params: Packed, groups: list, p_raw: list[Tensor]) -> None:
         """The user's param blocks into the buffers, keeping their storage objects."""
@@ -87,35 +109,13 @@ class ShardedUpdate(FlatUpdate):
             with torch.no_grad():
                 torch._foreach_copy_([u for u, _ in self.copy_back], [v for _, v in self.copy_back])
 
-    def repoint_grads_views(self) -> bool:
-        return True  # FSDP2 accumulates into `grad._local_tensor`: let it write the buffer
+    def describe(self, pack: Any, params: Any) -> str:
+        return f"flat buffers over this rank's blocks; {describe(params)}"
 
-    # -- planning -------------------------------------------------------------------
-    def plans(self, params: Any, agree: bool = True) -> bool:
-        """Whether every rank can run the sharded path (the ranks must agree, `_agree`;
-        `agree=False`: this rank's answer, no collective)."""
-        try:
-            ok = super().plans(params)
-        except ValueError as e:  # a placement or mesh the sharded path does not take
-            self.why_not, ok = str(e), False
-        return _agree(ok, params, self) if agree else ok
 
-    def plan_layout(self, params: Any) -> Any:
-        info = placement(params)
-        return plan(
-            self.transform, local_tree(params), tags=[info.tags(i) for i in range(len(info.shapes))], shard=info
-        )
-
-    def slack(self, params: Any, group: Any) -> int:
-        """Room for the padding FSDP2 keeps past a block (its storage is the padded shard)."""
-        leaves = pytree.tree_leaves(params)
-        return max(
-            [
-                leaves[m.index].untyped_storage().nbytes() // leaves[m.index].element_size() - m.numel
-                for m in group.members
-            ]
-            + [0]
-        )
+def sharded_update(program: Any) -> FlatUpdate:
+    """The compiled, donated update over this rank's blocks: `FlatUpdate` given `ShardBlocks`."""
+    return FlatUpdate(program, ShardBlocks())
 
 
 class ShardedEager:
@@ -160,6 +160,9 @@ class ShardedEager:
 
     def layout(self) -> None:
         return None
+
+    def describe(self, params: Any) -> str:
+        return f"this rank's blocks in place, eager; {describe(params)}"
 
     def __call__(
         self, params: Any, grads: Any, opt_state: Any, ema_state: Any = None, amp: Any = None, extra: Any = None

@@ -8,6 +8,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from . import _adam as adam
 from . import _foreach as ls
 from . import _low_precision as lp
 from . import _tree as tr
@@ -90,8 +91,9 @@ def scale_by_laprop(
         bc2 = 1.0 - beta2**t
         # ν ← β₂·ν + (1-β₂)·g²;  m ← β₁·m + (1-β₁)·η·g/(√(ν/bc2) + ε);  Σ ← β₁·Σ + (1-β₁)·η
         nu = ls.cast_like(ls.ema_sq(nu, wide, beta2), wide)
-        denom = ls.add_scalar_(ls.sqrt_(ls.mul(nu, 1.0 / bc2)), eps)
-        normalized = ls.cast_like(ls.mul_(ls.div_into_(wide, denom), eta), wide)  # a 0-d η may promote a 0-d leaf
+        normalized = ls.cast_like(
+            ls.mul_(ls.div_into_(wide, adam.denominator(nu, bc2, eps)), eta), wide
+        )  # a 0-d η may promote a 0-d leaf
         mu = ls.cast_like(ls.ema(mu, normalized, beta1), wide)
         lr_sum = beta1 * state.lr_sum + (1.0 - beta1) * eta
         # u = m / Σ (0 while every lr so far was 0: m is 0 then too)

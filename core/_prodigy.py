@@ -9,6 +9,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from .engine import ops as lay
+from . import _adam as adam
 from . import _foreach as ls
 from . import _low_precision as lp
 from . import _tree as tr
@@ -139,8 +140,9 @@ def prodigy(
         estimate = d_coef * r / torch.where(s_norm > 0, s_norm, 1.0)
         d_new = torch.where(s_norm > 0, torch.maximum(d, estimate), d)
         # u = -η̂·λ·x - η̂·m / (√v + d'·ε)
-        denom = ls.add_scalar_(ls.sqrt(vs), d_new * eps)
-        out = ls.mul_(ls.div_into_(list(ms), denom), -dlr)
+        out = ls.mul_(
+            ls.div_into_(list(ms), adam.denominator(list(vs), 1.0, d_new * eps)), -dlr
+        )  # Adam's, no bias correction
         wd = resolve(weight_decay, state.count)
         if not is_zero(wd):
             out = ls.axpy(-dlr * wd, xs, out)

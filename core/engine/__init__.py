@@ -16,6 +16,7 @@ from torch import Tensor
 
 from .. import _tree as tr
 from .._base import Params, PyTree
+from .program import Program
 from .compiling import compile_per_leaf
 from .donate import copy_scalars
 from .dtensor import has_dtensors
@@ -87,7 +88,7 @@ class Engine:
     Each path's runner is made once, when first needed.
     """
 
-    def __init__(self, program: Any, *, compile: bool, flat: bool, over_replicas: Any = False) -> None:
+    def __init__(self, program: Program, *, compile: bool, flat: bool, over_replicas: Any = False) -> None:
         self.program, self.compile, self.flat_asked = program, compile, flat
         # the state sharded across HSDP's replicas (`replicas`): True, or the (replicate, shard) mesh
         self.over_replicas = over_replicas

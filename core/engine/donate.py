@@ -2,7 +2,8 @@
 
 A donated update hands back the trees it was given, holding the new values. Four ways to
 get them there, each with its storage rule, and nothing else in the engine writes into a
-user's tensor:
+user's tensor (the one other writer is a transform's own in-place form on the eager paths,
+`with_in_place`: `p ← a·p + b·u` into the params it is given):
 
 - `copy_into(dst, src)`: copy each new leaf into the old tensor (`copy_`; DTensors leaf by
   leaf, a reduction's Partial result redistributed first). Always correct; costs a copy.

@@ -18,9 +18,10 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from .. import _tree as tr
+from .program import Program
 from .clock import HostClock
 from .compiling import compile_own
-from .donate import bind_tree, repoint_, write_back
+from .donate import bind_tree, copy_into, repoint_, write_back
 from .needs import plan
 from .packed import NotPacked, Packed, check_viewable, pack_like
 
@@ -91,7 +92,7 @@ class _FlatRunner:
 
     grads_in = True  # grads come from the caller (make_step computes its own)
 
-    def __init__(self, program: Any, leaves: Any = None) -> None:
+    def __init__(self, program: Program, leaves: OwnTensors | None = None) -> None:
         self.transform, self.pure, self.averaging = program.transform, program.pure, program.averaging
         self.metrics = program.metrics  # `pure` returns its metrics last; the step hands them back
         self.leaves = leaves if leaves is not None else OwnTensors()
@@ -338,6 +339,6 @@ class FlatStep(_FlatRunner):
         finally:
             b.clock.stop()
         if with_buffers:  # donated buffers: the caller's tensors get the new values
-            torch._foreach_copy_(pytree.tree_leaves(buffers), pytree.tree_leaves(static_buffers))
+            copy_into(buffers, static_buffers, "buffers")
         # The graph rewrites its outputs on every replay: hand out copies.
         return pytree.tree_map(lambda x: x.clone() if isinstance(x, Tensor) else x, metrics)

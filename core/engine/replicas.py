@@ -39,6 +39,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from .. import _tree as tr
+from .donate import copy_into
 from .dtensor import is_dtensor, local
 from .rows import _chunk, nested_placements
 
@@ -289,5 +290,5 @@ class OverReplicas:
             flat = send.new_empty(self.replicas * most)
             torch.distributed.all_gather_into_tensor(flat, send, group=self.group)
             pieces, places = self._places(self.blocks, idx, sizes, flat.view(self.replicas, most))
-            if pieces:
-                torch._foreach_copy_(pieces, places)
+            if pieces:  # into the user's param blocks
+                copy_into(pieces, places, "params")

@@ -36,7 +36,8 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from .. import _tree as tr
-from .donate import aliases, move_storage
+from .program import Program
+from .donate import aliases, copy_into, move_storage
 from .dtensor import is_dtensor, local, local_tree
 from .flat import FlatUpdate, OwnTensors
 from .mesh import describe as describe
@@ -106,14 +107,13 @@ class ShardBlocks(OwnTensors):
 
     def after_run(self) -> None:
         if self.copy_back:
-            with torch.no_grad():
-                torch._foreach_copy_([u for u, _ in self.copy_back], [v for _, v in self.copy_back])
+            copy_into([u for u, _ in self.copy_back], [v for _, v in self.copy_back], "params")
 
     def describe(self, pack: Any, params: Any) -> str:
         return f"flat buffers over this rank's blocks; {describe(params)}"
 
 
-def sharded_update(program: Any) -> FlatUpdate:
+def sharded_update(program: Program) -> FlatUpdate:
     """The compiled, donated update over this rank's blocks: `FlatUpdate` given `ShardBlocks`."""
     return FlatUpdate(program, ShardBlocks())
 
@@ -128,7 +128,7 @@ class ShardedEager:
     group, which gives `ops` the shard description (reductions across ranks,
     owner-computes)."""
 
-    def __init__(self, program: Any) -> None:
+    def __init__(self, program: Program) -> None:
         self.transform, self.eager, self.averaging = program.transform, program.eager, program.averaging
         self.why_not: str | None = None
         self._planned: tuple[list[int], PackSpec, Any, Any] | None = None

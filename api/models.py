@@ -13,13 +13,17 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from purestep.core.engine.dtensor import is_dtensor
 
 import purestep.core as ps
 
 from .errors import ConfigError
+
+if torch.distributed.is_available():
+    from torch.distributed.tensor.parallel.style import ParallelStyle
+else:  # a torch built without distributed: nothing to split experts over
+    ParallelStyle = object  # type: ignore[misc,assignment]
 
 
 def rope_tables(seq_len: int, head_dim: int, base: float = 10_000.0) -> tuple[Tensor, Tensor]:

@@ -484,6 +484,18 @@ def test_eager_donated_update_runs_on_fsdp2_params(tmp_path):
     assert out.returncode == 0 and "ok" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
 
 
+def test_expert_parallel_dispatch_with_uneven_routing_equals_whole_experts_forward_and_backward():
+    """Top-2 of 4 experts, a different token count per rank, the experts over both ranks (ep =
+    world, no FSDP2): uneven all_to_all splits, outputs and expert grads equal to whole
+    experts on each rank's tokens (tests/api/_ep_worker.py)."""
+    script = Path(__file__).with_name("_ep_worker.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.count(" ok, slots per expert ") == 2, out.stdout
+
+
 def test_moe_gpt_with_expert_parallelism_matches_one_process_and_resumes_across_ep_degrees(
     tmp_path, same_device_as_the_ranks
 ):

@@ -231,8 +231,8 @@ def wrap(
     (replicate, shard) dims). With expert parallelism (`world.ep` > 1, under "fsdp") the
     model's `ep_plan(degree)` splits its experts over the (efsdp, ep) mesh's "ep" dim, FSDP2
     shards each experts module over "efsdp" (the model's expert grads are already the mean
-    over its EP group's ranks, `Experts`) and the rest over all ranks. `local_sgd` (DiLoCo's workers, under DDP): no grad
-    all-reduce between workers, so no DDP wrapper. `replicas_apart` (HSDP): FSDP2 over the
+    over its EP group's ranks, `Experts`) and the rest over all ranks. `local_sgd`
+    (DiLoCo's workers, under DDP): no grad all-reduce between workers, so no DDP wrapper. `replicas_apart` (HSDP): FSDP2 over the
     mesh's shard dim alone, the replicas' grads left to the update (`ps.make_update`'s
     `shard_state_over_replicas` given `hsdp_mesh(world)`, or DiLoCo's sync)."""
     if precision == "bf16-true" and world.strategy in FSDP:

@@ -14,9 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from purestep.core.engine.dtensor import is_dtensor
-
 import purestep.core as ps
+from purestep.core.engine.dtensor import is_dtensor
 
 from .errors import ConfigError
 

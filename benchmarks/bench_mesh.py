@@ -381,23 +381,23 @@ def build_ep() -> torch.nn.Module:
     return D.wrap(moe_gpt(), D.World(rank, 4, rank, torch.device("cpu"), "fsdp", ep=2))
 
 
-def part_tp(mesh, args, build_tp=build_tp, label: str = "FSDP2 beside TP on (dp 2, tp 2)") -> list[str]:
+def part_tp(mesh, args, build=build_tp, label: str = "FSDP2 beside TP on (dp 2, tp 2)") -> list[str]:
     def step_of(transform, n_layers: int = 24):
-        model = build_tp(n_layers)
+        model = build(n_layers)
         params, grads = dict(model.named_parameters()), grads_of(model)
         state, update = transform.init(params), ps.make_update(transform, compile=True, donate=True)
         return (lambda: update(params, grads, state)), update, model
 
     clipped, update, model = step_of(recipe())
     plain, _, _ = step_of(ps.adamw(1e-4, weight_decay=0.1))
-    theirs = build_tp()
+    theirs = build()
     grads_of(theirs)
     fused = torch.optim.AdamW(theirs.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
     fns = {"purestep clip+AdamW+apply_if_finite": clipped, "purestep AdamW": plain,
            "torch AdamW(fused=True), no clip (clip_grad_norm_ refuses the meshes)": fused.step}
     medians = [interleaved(fns, args.steps) for _ in range(args.reps)]
     ours, _, ours_model = step_of(ps.adamw(1e-4, weight_decay=0.1))
-    ref = build_tp()
+    ref = build()
     ref_grads = grads_of(ref)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
     for _ in range(args.check):

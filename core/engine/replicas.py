@@ -100,10 +100,6 @@ class OverReplicas:
     def describe(self, params: Any) -> str:
         return self.inner.describe(self.proxies)
 
-    @property
-    def bound(self) -> Any:
-        return getattr(self.inner, "bound", None)
-
     # -- the proxies -------------------------------------------------------------------
     def _prepare(self, params: Any) -> Any:
         """The proxies of `params`, made once (again when a param block moves)."""

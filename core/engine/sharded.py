@@ -132,7 +132,6 @@ class ShardedEager:
         self.transform, self.eager, self.averaging = program.transform, program.eager, program.averaging
         self.why_not: str | None = None
         self._planned: tuple[list[int], PackSpec, Any, Any] | None = None
-        self.bound = None
 
     def _plan(self, params: Any) -> tuple[PackSpec, Any, Any]:
         key = [id(x) for x in pytree.tree_leaves(params)]

@@ -187,7 +187,7 @@ class Boxes:
         # flattened mesh, its coordinate their row-major index)
         self.leaves, self.dims, self.copies = leaves, dims, copies
         self.root_shape = tuple(root.mesh.shape)
-        self.coords = [tuple(int(c) for c in (root.mesh == r).nonzero()[0]) for r in range(root.mesh.numel())]
+        self.coords = coordinates(root)
         self._boxes: dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
 
     def of(self, i: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -217,10 +217,16 @@ def _flat_index(coordinate: list[int], shape: list[int]) -> int:
     return at
 
 
-def _root_dims(mesh: Any, root: Any) -> tuple[tuple[int, ...], ...] | None:
+def coordinates(root: Any) -> list[tuple[int, ...]]:
+    """Every world rank's coordinate in the root mesh, by rank."""
+    return [tuple(int(c) for c in (root.mesh == r).nonzero()[0]) for r in range(root.mesh.numel())]
+
+
+def _root_dims(mesh: Any, root: Any, coords: list[tuple[int, ...]]) -> tuple[tuple[int, ...], ...] | None:
     """Per dim of `mesh`, the dims of `root` it spans: a named slice of the root, or a
     flattening of some of its dims (`DeviceMesh._flatten`: one dim whose ranks run over those
-    root dims in row-major order, the others fixed at this rank's coordinate); None otherwise."""
+    root dims in row-major order, the others fixed at this rank's coordinate); None otherwise.
+    `coords`: every rank's coordinate in the root (`coordinates`)."""
     names = root.mesh_dim_names
     if mesh is root or mesh == root:
         return tuple((d,) for d in range(root.ndim))
@@ -230,8 +236,7 @@ def _root_dims(mesh: Any, root: Any) -> tuple[tuple[int, ...], ...] | None:
         return None
     me = root.get_coordinate()
     ranks = mesh.mesh.flatten().tolist()
-    coords = [tuple(int(c) for c in (root.mesh == r).nonzero()[0]) for r in ranks]
-    spans = tuple(d for d in range(root.ndim) if len({c[d] for c in coords}) > 1)
+    spans = tuple(d for d in range(root.ndim) if len({coords[r][d] for r in ranks}) > 1)
     index = tuple(slice(None) if d in spans else me[d] for d in range(root.ndim))
     return (spans,) if root.mesh[index].flatten().tolist() == ranks else None
 
@@ -269,13 +274,17 @@ def placement(pairs: list[tuple[str, Any]]) -> TPBlocks:
     all_dims = tuple(range(root.ndim))
     copies: list[tuple[int, ...]] = []
     mesh_dims: list[tuple[tuple[int, ...], ...]] = []  # per leaf, per dim of its mesh: the root dims it spans
+    coords = coordinates(root)
+    dims_of: dict[int, Any] = {}  # by mesh: its root dims, read once (hundreds of leaves share a few meshes)
     for path, x in pairs:
         if not is_dtensor(x):
             copies.append(all_dims)
             mesh_dims.append(())
             continue
         mesh = x.device_mesh
-        dims = _root_dims(mesh, root)
+        if id(mesh) not in dims_of:
+            dims_of[id(mesh)] = _root_dims(mesh, root, coords)
+        dims = dims_of[id(mesh)]
         if dims is None:
             raise ValueError(
                 f"param '{path}': its mesh {mesh.mesh_dim_names} is neither a named slice of the root mesh nor a "

@@ -89,7 +89,7 @@ class Loop:
         """Read the step's device values (a sync), write them to metrics.jsonl and the progress display."""
         now, tokens = time.perf_counter(), float(self.loop.tokens)
         tok_s = (tokens - since[1]) / max(now - since[0], 1e-9)
-        norm = self.update_metrics.get("grad_norm")  # the last update's (a skipped spike applies none)
+        norm = self.update_metrics.get("grad_norm")  # the last update's grads' (non-finite on a skipped one)
         line = {
             "step": self.loop.step,
             "loss": read(record.get("loss")),

@@ -274,13 +274,7 @@ class Trainer(Loop):
             inputs = {"max_logits": logits} if logits is not None else {}
             out = self.update(params, grads, self.opt_state, *(() if self.ema is None else (self.ema,)), **inputs)
             self.opt_state, self.ema = out[1], (out[2] if self.ema is not None else None)
-            metrics, last = out[-1], self.update_metrics
-            if "skipped" in metrics and "grad_norm" in last:  # a skipped update keeps the last applied one's norm
-                metrics = {
-                    **metrics,
-                    "grad_norm": torch.where(metrics["skipped"], last["grad_norm"], metrics["grad_norm"]),
-                }
-            self.update_metrics = metrics  # read when a log line is due
+            self.update_metrics = out[-1]  # read when a log line is due
         # Zeroed in place, not dropped: the next backward writes where the update reads.
         torch._foreach_zero_([D.local(g) for g in grads.values()])
         self.loop.step += 1
@@ -300,8 +294,9 @@ class Trainer(Loop):
 
     def nonfinite(self) -> Tensor:
         """How many steps `apply_if_finite` skipped for non-finite gradients (a device tensor)."""
-        own = self.opt_state.inner_state if isinstance(self.opt_state, ps.DiLoCoState) else self.opt_state
-        return own.total_notfinite  # the Trainer's own apply_if_finite (a given transform may hold more)
+        skips = ps.skipped_updates(self.opt_state)  # the Trainer's own: the outermost
+        assert skips is not None, "the Trainer's transform is wrapped in apply_if_finite"
+        return skips[1]
 
     @property
     def updates(self) -> int:

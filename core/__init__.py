@@ -36,6 +36,7 @@ from ._diloco import DiLoCoState as DiLoCoState
 from ._diloco import diloco as diloco
 from ._sparse import TopK as TopK
 from ._combine import apply_if_finite as apply_if_finite
+from ._combine import skipped_updates as skipped_updates
 from ._combine import chain as chain
 from ._combine import identity as identity
 from ._hyperparams import inject_hyperparams as inject_hyperparams
@@ -192,6 +193,7 @@ __all__ = [
     "schedule_clocks",
     "set_hyperparam",
     "apply_if_finite",
+    "skipped_updates",
     "accumulate",
     "diloco",
     "TopK",

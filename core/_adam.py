@@ -142,18 +142,10 @@ def apply_fused(gs, mu, nu, ps_, beta1, beta2, t, eps, a, b) -> bool:
     `p ← a·p + b·u` read as AdamW's lr = -b and decay λ = (1 - a) / lr. False (nothing done)
     where the kernel does not take the step: another device, dtypes that differ, a tensor
     not contiguous (the kernel walks its storage), a zero lr, scalars autograd records."""
-    fused = getattr(torch, "_fused_adamw_", None)
-    dtype = ps_[0].dtype
-    if fused is None or any(
-        x.device.type != "cpu" or x.dtype != dtype or not x.is_contiguous() for xs in (gs, mu, nu, ps_) for x in xs
-    ):
+    if not _fused_takes(gs, mu, nu, ps_, beta1, beta2, t, eps, a, b):
         return False
-    scalars = [beta1, beta2, t, eps, a, b]
-    if any(isinstance(s, Tensor) and (s.requires_grad or s.numel() != 1) for s in scalars):
-        return False
-    beta1, beta2, t, eps, a, b = (float(s) for s in scalars)  # CPU values: nothing to wait for
-    if b == 0.0 or b != b:
-        return False
+    fused = torch._fused_adamw_  # type: ignore[attr-defined]
+    beta1, beta2, t, eps, a, b = (float(s) for s in (beta1, beta2, t, eps, a, b))  # CPU values: nothing to wait for
     lr = -b
     step = torch.tensor(t, dtype=torch.float32, device=ps_[0].device)  # read by the kernel, never advanced by it
     fused(
@@ -161,6 +153,40 @@ def apply_fused(gs, mu, nu, ps_, beta1, beta2, t, eps, a, b) -> bool:
         eps=eps, amsgrad=False, maximize=False, grad_scale=None, found_inf=None,
     )  # fmt: skip
     return True
+
+
+def _fused_takes(gs, mu, nu, ps_, *scalars) -> bool:
+    if getattr(torch, "_fused_adamw_", None) is None:
+        return False
+    dtype = ps_[0].dtype
+    if any(x.device.type != "cpu" or x.dtype != dtype or not x.is_contiguous() for xs in (gs, mu, nu, ps_) for x in xs):
+        return False
+    if any(isinstance(s, Tensor) and (s.requires_grad or s.numel() != 1) for s in scalars):
+        return False
+    b = float(scalars[-1])
+    return b != 0.0 and b == b
+
+
+def kernel(
+    plain: tuple | None,
+    beta1: Scalar,
+    beta2: Scalar,
+    eps: Scalar,
+    a: Scalar = 1.0,
+    b: Scalar = 1.0,
+    *,
+    t: Scalar = None,
+) -> str:
+    """The one dispatch: the name of the kernel in `IMPLEMENTATIONS` that runs this step.
+    "definition" unless the moments are plain leaves (`plain`: (gs, mu, nu, params) lists)
+    that the eager kernels take (`ls.leafwise`: eager, on the CPU, scalars it can read);
+    then "leafwise" for the update, or for the in-place form (`t`, this update's count,
+    given) "apply_fused" where torch's fused AdamW takes the step, else "apply_leafwise"."""
+    if plain is None or not ls.leafwise([x for xs in plain for x in xs], beta1, beta2, eps, a, b):
+        return "definition"
+    if t is None:
+        return "leafwise"
+    return "apply_fused" if _fused_takes(*plain, beta1, beta2, t, eps, a, b) else "apply_leafwise"
 
 
 IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {

@@ -18,7 +18,6 @@ from ._base import (
     check_hyperparam,
     check_nonnegative,
     leaf_device,
-    require_params,
     resolve,
     zero_count,
 )
@@ -42,8 +41,7 @@ def _corrected_decay(weight_decay: ScalarOrSchedule, lr: ScalarOrSchedule) -> Tr
         return AdamcState(zero_count(device), torch.zeros((), dtype=torch.float64, device=device))
 
     def update(grads, state, params=None, **extra):
-        require_params(params, "adamc")
-        ps_ = tr.check_match(params, grads, "params", "grads", dtype=False)
+        ps_ = tr.params_for(params, grads, "adamc")
         us, spec = pytree.tree_flatten(grads)
         eta = torch.as_tensor(resolve(lr, state.count), dtype=torch.float64, device=state.max_lr.device)
         top = torch.maximum(state.max_lr, eta)

@@ -78,9 +78,7 @@ def scale_by_ademamix(
     check_hyperparam("eps", eps)
     check_positive("eps", eps)
     check_nonnegative("eps_root", eps_root)
-    lp.check_state_dtype("mu_dtype", mu_dtype)
-    lp.check_state_dtype("nu_dtype", nu_dtype)
-    lp.check_rounding(rounding)
+    lp.check_moments(mu_dtype, nu_dtype, rounding)
 
     def init(params: Params) -> ScaleByAdemamixState:
         count = zero_count(leaf_device(pytree.tree_leaves(params)))

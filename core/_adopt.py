@@ -11,6 +11,7 @@ from torch import Tensor
 from . import _foreach as ls
 from . import _low_precision as lp
 from ._base import (
+    check_bool,
     Params,
     ScalarOrSchedule,
     Transform,
@@ -54,11 +55,8 @@ def scale_by_adopt(
         check_beta(name, beta)
     check_hyperparam("eps", eps)
     check_positive("eps", eps)
-    if not isinstance(clip, bool):
-        raise ValueError(f"clip must be True or False, got {clip!r}")
-    lp.check_state_dtype("mu_dtype", mu_dtype)
-    lp.check_state_dtype("nu_dtype", nu_dtype)
-    lp.check_rounding(rounding)
+    check_bool("clip", clip)
+    lp.check_moments(mu_dtype, nu_dtype, rounding)
 
     def init(params: Params) -> ScaleByAdoptState:
         count = zero_count(leaf_device(pytree.tree_leaves(params)))

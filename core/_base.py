@@ -234,6 +234,11 @@ def is_zero(value: Any) -> bool:
     return is_static(value) and value == 0
 
 
+def check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
 def check_lr(lr: Any) -> None:
     """For an lr that reaches no `scale_by_lr` as it is (schedule-free's warmed-up one);
     elsewhere the blocks check their own arguments (lr, weight_decay, betas) once."""

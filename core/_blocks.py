@@ -17,7 +17,6 @@ from . import _adam as adam
 from . import _foreach as ls
 from . import _tree as tr
 from ._base import (
-    require_params,
     EmptyState,
     Params,
     ScalarOrSchedule,
@@ -206,9 +205,7 @@ def scale_by_adam(
     check_hyperparam("eps", eps)
     check_positive("eps", eps)
     check_nonnegative("eps_root", eps_root)
-    lp.check_state_dtype("mu_dtype", mu_dtype)
-    lp.check_state_dtype("nu_dtype", nu_dtype)
-    lp.check_rounding(rounding)
+    lp.check_moments(mu_dtype, nu_dtype, rounding)
 
     def init(params: Params) -> ScaleByAdamState | ScaleByAmsgradState:
         leaves = pytree.tree_leaves(params)
@@ -221,17 +218,19 @@ def scale_by_adam(
         beta1, beta2 = resolve(b1, state.count), resolve(b2, state.count)
         bc1, bc2 = adam.bias_corrections(state.count, beta1, beta2)
         plain = None if amsgrad or eps_root else _plain_moments(grads, state.mu, state.nu, params)
-        if plain is not None and ls.leafwise([x for xs in plain for x in xs], beta1, beta2, eps):
+        if adam.kernel(plain, beta1, beta2, eps) == "leafwise":
             gs, mu, nu, _ = plain
             spec = pytree.tree_structure(grads)
-            mu, nu, out = adam.leafwise(gs, mu, nu, beta1, beta2, bc1, bc2, eps)
+            mu, nu, out = adam.IMPLEMENTATIONS["leafwise"](gs, mu, nu, beta1, beta2, bc1, bc2, eps)
             mu, nu = pytree.tree_unflatten(mu, spec), pytree.tree_unflatten(nu, spec)
             return pytree.tree_unflatten(out, spec), ScaleByAdamState(state.count + 1, mu, nu)
         gs, wide, mu = lp.load_moments(grads, state.mu, params)
         nu = lp.load_moments(grads, state.nu, second=True)[2]
         spec = pytree.tree_structure(grads)
         nu_max = state.nu_max if amsgrad else None
-        mu, nu, out = adam.definition(grads, gs, wide, mu, nu, beta1, beta2, bc1, bc2, eps, eps_root, nu_max)
+        mu, nu, out = adam.IMPLEMENTATIONS["definition"](
+            grads, gs, wide, mu, nu, beta1, beta2, bc1, bc2, eps, eps_root, nu_max
+        )
         keys = lp.moment_keys(state.count, rounding, state.mu, state.nu)  # ν_max is stored like ν
         new_state = ScaleByAdamState(
             state.count + 1, lp.store_moments(mu, state.mu, keys), lp.store_moments(nu, state.nu, keys, second=True)
@@ -248,15 +247,18 @@ def scale_by_adam(
         # followed by the apply.
         plain = None if amsgrad or eps_root else _plain_moments(grads, state.mu, state.nu, params)
         beta1, beta2 = resolve(b1, state.count), resolve(b2, state.count)
-        if plain is None or not ls.leafwise([x for xs in plain for x in xs], beta1, beta2, eps, a, b):
+        t = (state.count + 1).to(torch.float64)  # eager: no `once` to realize
+        name = adam.kernel(plain, beta1, beta2, eps, a, b, t=t)
+        if name == "definition":
             updates, new_state = update(grads, state, params)
             ls.scale_add_(
                 tr.check_match(params, updates, "params", "updates", dtype=False), a, b, tr.tree_leaves(updates)
             )
             return new_state
-        t = (state.count + 1).to(torch.float64)  # eager: no `once` to realize
-        if not adam.apply_fused(*plain, beta1, beta2, t, eps, a, b):
-            adam.apply_leafwise(*plain, beta1, beta2, 1.0 - beta1**t, 1.0 - beta2**t, eps, a, b)
+        if name == "apply_fused":
+            adam.IMPLEMENTATIONS[name](*plain, beta1, beta2, t, eps, a, b)
+        else:
+            adam.IMPLEMENTATIONS[name](*plain, beta1, beta2, 1.0 - beta1**t, 1.0 - beta2**t, eps, a, b)
         return ScaleByAdamState(state.count + 1, state.mu, state.nu)
 
     return with_needs(
@@ -337,8 +339,7 @@ def scale_by_trust_ratio(*, min_norm: float = 0.0, trust_coefficient: float = 1.
         return EmptyState()
 
     def update(grads, state, params=None, **extra):
-        require_params(params, "scale_by_trust_ratio")
-        ps_ = tr.check_match(params, grads, "params", "grads", dtype=False)
+        ps_ = tr.params_for(params, grads, "scale_by_trust_ratio")
         us, spec = pytree.tree_flatten(grads)
         p_norms, u_norms = lay.leaf_norms(grads, ps_, us)  # over shards: whole leaves' norms, one collective
         p_norm = [torch.clamp(n, min=min_norm) for n in p_norms]

@@ -21,7 +21,6 @@ from ._base import (
     is_static,
     leaf_device,
     once,
-    require_params,
     zero_count,
 )
 from .engine.needs import Needs, with_needs
@@ -169,8 +168,7 @@ def adaptive_clip(clipping: float = 0.01, eps: float = 1e-3, *, axis: int | tupl
         return EmptyState()
 
     def update(grads, state, params=None, **extra):
-        require_params(params, "adaptive_clip")
-        ps_ = tr.check_match(params, grads, "params", "grads", dtype=False)
+        ps_ = tr.params_for(params, grads, "adaptive_clip")
         gs, spec = pytree.tree_flatten(grads)
         flags, shapes = lay.stacked(grads), lay.global_shapes(grads)
         dims = [_unit_dims(torch.empty(shape, device="meta"), axis) for shape in shapes]

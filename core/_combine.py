@@ -13,6 +13,7 @@ from .engine import ops as lay
 from . import _foreach as ls
 from . import _tree as tr
 from .engine.needs import Needs, Rule, bounded, with_needs
+from .engine.per_leaf import apply_in_place
 from ._base import (
     check_int,
     EmptyState,
@@ -21,7 +22,6 @@ from ._base import (
     PyTree,
     Transform,
     affine_of,
-    apply_of,
     leaf_device,
     once,
     with_in_place,
@@ -48,20 +48,6 @@ def identity() -> Transform:
     return with_needs(
         Transform(init, with_in_place(update, affine=lambda state: (1.0, 0.0, state))), Needs(bounded=True)
     )
-
-
-def apply_in_place(
-    t: Transform, grads: PyTree, state: OptState, params: Params, a: Any = 1.0, b: Any = 1.0
-) -> OptState:
-    """`p ← a·p + b·u` in place for `u, state = t.update(grads, state, params)`; returns
-    the new state. Runs `t`'s in-place apply (`with_in_place`) where it has one (which
-    may update `state` in place: the caller gives it up), else `update`, then the apply."""
-    apply_ = apply_of(t)
-    if apply_ is not None:
-        return apply_(grads, state, params, a, b)
-    updates, state = t.update(grads, state, params)
-    ls.scale_add_(tr.check_match(params, updates, "params", "updates", dtype=False), a, b, tr.tree_leaves(updates))
-    return state
 
 
 def _fold(a: Any, b: Any, x: Any, y: Any) -> tuple[Any, Any]:
@@ -410,6 +396,31 @@ def apply_if_finite(inner: Transform, max_consecutive: int | None = None) -> Tra
         Transform(init, with_in_place(update, apply_=apply_)),
         Needs(reductions=("all_finite",), parts=lambda tree: [(inner, None)], bounded=lean),
     )
+
+
+def skipped_updates(opt_state: OptState) -> tuple[Tensor, Tensor] | None:
+    """`(skipped, total)` of the outermost `apply_if_finite` in `opt_state`: whether its
+    last update was skipped for non-finite values (0-d bool) and how many it has skipped
+    so far (0-d int64), copies read from the state with no host sync; None when the state
+    holds none, or several at the same depth (`partition` of two wrapped groups).
+
+    Examples:
+        >>> import torch, purestep.core as ps
+        >>> opt = ps.apply_if_finite(ps.adam(1e-3))
+        >>> params = {"w": torch.zeros(2)}
+        >>> _, state = opt.update({"w": torch.full((2,), float("nan"))}, opt.init(params), params)
+        >>> ps.skipped_updates(state)
+        (tensor(True), tensor(1))
+    """
+    level = [opt_state]
+    while level:
+        found = [node for node in level if isinstance(node, ApplyIfFiniteState)]
+        if found:
+            if len(found) > 1:
+                return None
+            return torch.logical_not(found[0].last_finite), found[0].total_notfinite.clone()
+        level = [child for node in level for _, child in tr.children(node)]
+    return None
 
 
 def _fits(grads: PyTree, state_floats: list[Tensor]) -> Tensor:

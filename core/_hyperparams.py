@@ -11,7 +11,7 @@ from torch import Tensor
 
 from . import _tree as tr
 from ._base import OptState, Params, Transform, as_float64, leaf_device, resolve, with_in_place, zero_count
-from ._combine import apply_in_place
+from .engine.per_leaf import apply_in_place
 from .engine.needs import Needs, bounded, with_needs
 
 

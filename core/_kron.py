@@ -22,6 +22,7 @@ from . import _foreach as ls
 from . import _low_precision as lp
 from ._weight_decay import decayed
 from ._base import (
+    check_bool,
     Params,
     ScalarOrSchedule,
     Transform,
@@ -246,8 +247,7 @@ def scale_by_kron(
     check_int("min_ndim_triangular", min_ndim_triangular, 0)
     if memory_save_mode not in _MODES:
         raise ValueError(f"memory_save_mode must be one of {_MODES}, got {memory_save_mode!r}")
-    if not isinstance(momentum_into_precond_update, bool):
-        raise ValueError(f"momentum_into_precond_update must be True or False, got {momentum_into_precond_update!r}")
+    check_bool("momentum_into_precond_update", momentum_into_precond_update)
     check_positive("precond_lr", precond_lr)
     check_positive("precond_init_scale", precond_init_scale)
     if precond_dtype is not None and precond_dtype not in (torch.float32, torch.float64):

@@ -23,7 +23,6 @@ from ._base import (
     check_positive,
     is_zero,
     leaf_device,
-    require_params,
     resolve,
     zero_count,
 )
@@ -70,9 +69,7 @@ def scale_by_laprop(
         check_beta(name, beta)
     check_hyperparam("eps", eps)
     check_positive("eps", eps)
-    lp.check_state_dtype("mu_dtype", mu_dtype)
-    lp.check_state_dtype("nu_dtype", nu_dtype)
-    lp.check_rounding(rounding)
+    lp.check_moments(mu_dtype, nu_dtype, rounding)
 
     def init(params: Params) -> ScaleByLapropState:
         device = leaf_device(pytree.tree_leaves(params))
@@ -119,8 +116,7 @@ def _decay_after(lr: ScalarOrSchedule, weight_decay: ScalarOrSchedule) -> Transf
         return DecayAfterState(zero_count(leaf_device(pytree.tree_leaves(params)))) if scheduled else EmptyState()
 
     def update(grads, state, params=None, **extra):
-        require_params(params, "laprop's weight decay")
-        ps_ = tr.check_match(params, grads, "params", "grads", dtype=False)
+        ps_ = tr.params_for(params, grads, "laprop's weight decay")
         us, spec = pytree.tree_flatten(grads)
         count = state.count if scheduled else None
         shrink = resolve(lr, count) * resolve(weight_decay, count)

@@ -58,9 +58,7 @@ def scale_by_mars(
     check_nonnegative("gamma", gamma)
     check_hyperparam("eps", eps)
     check_positive("eps", eps)
-    lp.check_state_dtype("mu_dtype", mu_dtype)
-    lp.check_state_dtype("nu_dtype", nu_dtype)
-    lp.check_rounding(rounding)
+    lp.check_moments(mu_dtype, nu_dtype, rounding)
 
     def init(params: Params) -> ScaleByMarsState:
         count = zero_count(leaf_device(pytree.tree_leaves(params)))

@@ -441,34 +441,47 @@ def muon_adamw(
         Jordan et al., Muon: An optimizer for hidden layers in neural networks, 2024
         (github.com/KellerJordan/Muon, README "MuonWithAuxAdam").
     """
+    return beside_adamw(
+        muon(
+            lr,
+            momentum,
+            nesterov,
+            ns_steps,
+            weight_decay,
+            adjust_lr,
+            ns_dtype,
+            ns_coefficients,
+            emulate_bf16=emulate_bf16,
+            batch_dims=batch_dims,
+            split=split,
+            cautious_weight_decay=cautious_weight_decay,
+            mu_dtype=mu_dtype,
+            rounding=rounding,
+        ),
+        labels,
+        adamw_lr,
+        adamw_betas,
+        adamw_eps,
+        adamw_weight_decay,
+        cautious_weight_decay=cautious_weight_decay,
+        mu_dtype=mu_dtype,
+        nu_dtype=nu_dtype,
+        rounding=rounding,
+    )
+
+
+def beside_adamw(
+    matrices: Transform,
+    labels: Any,
+    adamw_lr: ScalarOrSchedule,
+    adamw_betas: tuple[ScalarOrSchedule, ScalarOrSchedule],
+    adamw_eps: float,
+    adamw_weight_decay: ScalarOrSchedule,
+    **adamw_options: Any,
+) -> Transform:
+    """The `*_adamw` recipes' split: `matrices` on the leaves `labels` marks "muon", AdamW on
+    the rest ("adamw")."""
     return partition(
-        {
-            "muon": muon(
-                lr,
-                momentum,
-                nesterov,
-                ns_steps,
-                weight_decay,
-                adjust_lr,
-                ns_dtype,
-                ns_coefficients,
-                emulate_bf16=emulate_bf16,
-                batch_dims=batch_dims,
-                split=split,
-                cautious_weight_decay=cautious_weight_decay,
-                mu_dtype=mu_dtype,
-                rounding=rounding,
-            ),
-            "adamw": adamw(
-                adamw_lr,
-                adamw_betas,
-                adamw_eps,
-                adamw_weight_decay,
-                cautious_weight_decay=cautious_weight_decay,
-                mu_dtype=mu_dtype,
-                nu_dtype=nu_dtype,
-                rounding=rounding,
-            ),
-        },
+        {"muon": matrices, "adamw": adamw(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay, **adamw_options)},
         labels,
     )

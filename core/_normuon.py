@@ -26,12 +26,11 @@ from ._base import (
     resolve,
     zero_count,
 )
-from ._combine import chain, partition
+from ._combine import chain
 from ._weight_decay import add_decayed_weights
-from ._muon import _check_matrices, batch_rule, check_muon_args, leaf_batch_dims, muon_labels
+from ._muon import _check_matrices, batch_rule, beside_adamw, check_muon_args, leaf_batch_dims, muon_labels
 from ._newton_schulz import NS5_COEFFICIENTS, Coefficients, _coefficient_schedule, orthogonalize_leaves
-from ._alias import adamw
-from .engine.sharded import is_dtensor
+from .engine.dtensor import is_dtensor
 from ._blocks import scale_by_lr
 from .engine.needs import Needs, with_needs
 
@@ -313,33 +312,29 @@ def normuon_adamw(
         >>> sorted(opt.init(params).inner_states["muon"][0].nu)
         ['h.0.weight']
     """
-    return partition(
-        {
-            "muon": normuon(
-                lr,
-                momentum,
-                beta2,
-                nesterov,
-                ns_steps,
-                weight_decay,
-                ns_dtype,
-                ns_coefficients,
-                eps,
-                adjust_lr=adjust_lr,
-                emulate_bf16=emulate_bf16,
-                batch_dims=batch_dims,
-                mu_dtype=mu_dtype,
-                rounding=rounding,
-            ),
-            "adamw": adamw(
-                adamw_lr,
-                adamw_betas,
-                adamw_eps,
-                adamw_weight_decay,
-                mu_dtype=mu_dtype,
-                nu_dtype=nu_dtype,
-                rounding=rounding,
-            ),
-        },
+    return beside_adamw(
+        normuon(
+            lr,
+            momentum,
+            beta2,
+            nesterov,
+            ns_steps,
+            weight_decay,
+            ns_dtype,
+            ns_coefficients,
+            eps,
+            adjust_lr=adjust_lr,
+            emulate_bf16=emulate_bf16,
+            batch_dims=batch_dims,
+            mu_dtype=mu_dtype,
+            rounding=rounding,
+        ),
         labels,
+        adamw_lr,
+        adamw_betas,
+        adamw_eps,
+        adamw_weight_decay,
+        mu_dtype=mu_dtype,
+        nu_dtype=nu_dtype,
+        rounding=rounding,
     )

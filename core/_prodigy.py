@@ -14,6 +14,7 @@ from . import _foreach as ls
 from . import _low_precision as lp
 from . import _tree as tr
 from ._base import (
+    check_bool,
     Params,
     ScalarOrSchedule,
     Transform,
@@ -103,8 +104,7 @@ def prodigy(
         check_positive(name, value)
     check_hyperparam("weight_decay", weight_decay)
     check_nonnegative("weight_decay", weight_decay)
-    if not isinstance(safeguard_warmup, bool):
-        raise ValueError(f"safeguard_warmup must be True or False, got {safeguard_warmup!r}")
+    check_bool("safeguard_warmup", safeguard_warmup)
 
     def init(params: Params) -> ProdigyState:
         leaves = pytree.tree_leaves(params)

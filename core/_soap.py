@@ -165,9 +165,7 @@ def scale_by_soap(
     check_positive("eps", eps)
     check_int("precondition_frequency", precondition_frequency, 1)
     check_int("max_precond_dim", max_precond_dim, 1)
-    lp.check_state_dtype("mu_dtype", mu_dtype)
-    lp.check_state_dtype("nu_dtype", nu_dtype)
-    lp.check_rounding(rounding)
+    lp.check_moments(mu_dtype, nu_dtype, rounding)
     sb = b2 if shampoo_beta is None else shampoo_beta
 
     def shape_of(p: Tensor) -> tuple[int, ...]:

@@ -16,11 +16,12 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from . import _tree as tr
-from ._base import OptState, Params, PyTree, Transform, check_int
-from ._combine import apply_in_place
+from ._base import check_bool, OptState, Params, PyTree, Transform, check_int
+from ._combine import skipped_updates
 from .engine import Engine, compile_per_leaf, explain_pure
+from .engine.per_leaf import eager
 from .engine import ops as lay
-from .engine.donate import Taken, adopt_into, copy_into
+from .engine.donate import copy_into
 from .engine.dtensor import is_dtensor, local
 from .engine.packed import is_packed, pack_like
 from .engine.replicas import check_over_replicas
@@ -57,7 +58,7 @@ def _update_metrics(grads: PyTree, new_state: OptState) -> Metrics:
     """`make_update(..., metrics=True)`'s metrics, 0-d tensors and no host sync: `grad_norm`
     (the global norm of the grads given, before any clipping; over FSDP2 shards, of the
     whole grads), `lr` (as make_step's) and `skipped` (True when `apply_if_finite` skipped
-    this update; present when the transform holds exactly one)."""
+    this update; from the outermost `apply_if_finite`, see `ps.skipped_updates`)."""
     if lay.is_packed(grads):  # flat buffers or this rank's shards: the reduction protocol's norm
         norm = lay.global_norm(grads)
     else:
@@ -68,9 +69,9 @@ def _update_metrics(grads: PyTree, new_state: OptState) -> Metrics:
     lr = _lr_metric(new_state)
     if lr is not None:
         metrics["lr"] = lr
-    finite = [v for _, v in tr.find_all(new_state, "last_finite") if isinstance(v, Tensor)]
-    if len(finite) == 1:
-        metrics["skipped"] = torch.logical_not(finite[0])
+    skips = skipped_updates(new_state)
+    if skips is not None:
+        metrics["skipped"] = skips[0]
     return metrics
 
 
@@ -108,10 +109,10 @@ def _lr_metric(opt_state: OptState) -> Tensor | None:
 @dataclasses.dataclass(frozen=True, eq=False)
 class UpdateProgram:
     """`make_update`'s update as data: the transform, the EMA pair, whether metrics come
-    back. The engine's paths run its three forms (core/README.md): `pure` (new trees; the
-    flat and sharded paths compile it over their buffers), `in_place` (pure, then copied
-    into the inputs: the per-leaf compiled and DTensor paths) and `eager` (uncompiled
-    donation through the transform's in-place forms)."""
+    back. The engine's paths run its two forms (core/README.md): `pure` (new trees; the
+    flat and sharded paths compile it over their buffers) and `in_place` (pure, then copied
+    into the inputs: the per-leaf compiled and DTensor paths); uncompiled donation is the
+    engine's `per_leaf.eager`, which asks `metrics_of` for the metrics."""
 
     transform: Transform
     averaging: tuple[Callable, Callable] | None
@@ -153,19 +154,8 @@ class UpdateProgram:
         result = out[-1] if self.metrics else None
         return (result, deferred) if defer_scalars else result
 
-    def eager(self, params, grads, opt_state, ema_state=None, amp=None, extra=None):
-        # Uncompiled donation: the update goes into the params in place (`apply_in_place`:
-        # a chain folds its decay and lr into the last transform's own in-place apply), and
-        # state leaves not updated in place adopt the storage of their new values.
-        if amp is not None or extra:  # a skip decided on the device, or inputs the in-place forms do not take
-            return self.in_place(params, grads, opt_state, ema_state, amp, extra)
-        tr.check_match(grads, params, "grads", "params")
-        new_state = apply_in_place(self.transform, grads, opt_state, params)
-        taken = Taken(params, grads, opt_state, ema_state)
-        adopt_into(opt_state, new_state, "opt_state", taken)
-        if self.averaging is not None:
-            adopt_into(ema_state, self.averaging[1](ema_state, params), "ema_state", taken)
-        return _update_metrics(grads, opt_state) if self.metrics else None  # grads are only read
+    def metrics_of(self, grads, new_state):
+        return _update_metrics(grads, new_state)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -243,19 +233,6 @@ class StepProgram:
             copy_into(buffers, new_buffers, "buffers", deferred)
         return (metrics, deferred) if defer_scalars else metrics
 
-    def eager(self, params, opt_state, batch, buffers=None, with_buffers=False):
-        # Uncompiled donation, as make_update's: p += u in place and the state leaves adopt
-        # the storage of their new values (the updates themselves are kept for
-        # `update_norm`, so no folding into the apply: bitwise the pure step's results).
-        grads, loss, aux, new_buffers = self.loss_and_grads(params, batch, buffers, with_buffers)
-        updates, new_state = self.transform.update(grads, opt_state, params)
-        metrics = self.metrics_of(loss, grads, aux, updates, new_state)
-        tr.apply_updates_(params, updates)
-        adopt_into(opt_state, new_state, "opt_state", Taken(params, grads, opt_state, buffers, new_buffers))
-        if with_buffers:  # copied: functional_model's buffers share storage with the module
-            copy_into(buffers, new_buffers, "buffers")
-        return metrics
-
 
 # --------------------------------------------------------------------------- #
 # make_update.
@@ -288,7 +265,8 @@ def make_update(
     With `metrics=True` a dict of 0-d tensors comes last, computed in the same call with no
     host sync, as `make_step`'s: `grad_norm` (of the grads given, before any clipping; over
     FSDP2 shards the whole grads'), `lr` (the injected `lr`, when the state holds exactly
-    one), `skipped` (whether `apply_if_finite` skipped this update, when it holds one).
+    one), `skipped` (whether `apply_if_finite` skipped this update, when it holds one: the
+    outermost; its running total is `ps.skipped_updates(opt_state)`).
     Clipping, weight decay, the step counter and the EMA then fuse into the same
     compiled kernels: one pass over memory instead of one per piece.
 
@@ -358,8 +336,7 @@ def make_update(
     """
     _check_optimizer(optimizer)
     averaging = _check_ema(ema)
-    if not isinstance(metrics, bool):
-        raise ValueError(f"metrics must be True or False, got {metrics!r}")
+    check_bool("metrics", metrics)
     check_over_replicas(shard_state_over_replicas, donate)
 
     program = UpdateProgram(optimizer, averaging, metrics)
@@ -480,7 +457,7 @@ def make_step(
     check_int("micro_batches", micro_batches, 1)
 
     program = StepProgram(optimizer, loss_fn, has_aux, micro_batches)
-    inner = program.pure if not donate else program.in_place if compile else program.eager
+    inner = program.pure if not donate else program.in_place if compile else eager(program)
     inner = compile_per_leaf(inner) if compile else inner
     engine = Engine(program, compile=compile, flat=flat)
 

@@ -8,7 +8,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from ._base import PyTree
+from ._base import PyTree, require_params
 from ._foreach import global_norm, use_foreach
 
 # --------------------------------------------------------------------------- #
@@ -166,6 +166,13 @@ def dict_leaves(*trees: PyTree) -> list[list[Tensor]] | None:
     return out
 
 
+def params_for(params: PyTree, grads: PyTree, who: str) -> list[Any]:
+    """The leaves of `params` for `who`, whose update reads them: an error naming `who` when
+    they are not given, or when they are not structured and shaped like `grads`."""
+    require_params(params, who)
+    return check_match(params, grads, "params", "grads", dtype=False)
+
+
 def check_match(
     tree: PyTree, like: PyTree, what: str = "grads", like_what: str = "params", *, dtype: bool = True
 ) -> list[Tensor]:
@@ -215,7 +222,7 @@ def _is_namedtuple(x: Any) -> bool:
 is_namedtuple = _is_namedtuple
 
 
-def _children(node: Any) -> list[tuple[Any, Any]]:
+def children(node: Any) -> list[tuple[Any, Any]]:
     if _is_namedtuple(node):
         return [(f, getattr(node, f)) for f in node._fields]
     if isinstance(node, dict):
@@ -226,7 +233,7 @@ def _children(node: Any) -> list[tuple[Any, Any]]:
 
 
 def _find(tree: Any, name: str, path: tuple = ()) -> Iterator[tuple[tuple, Any]]:
-    for key, child in _children(tree):
+    for key, child in children(tree):
         if key == name:
             yield path + (key,), child
         yield from _find(child, name, path + (key,))
@@ -245,7 +252,7 @@ def _unique(tree: PyTree, name: str) -> tuple[tuple, Any]:
 
 
 def _walk_keys(tree: Any) -> Iterator[tuple[Any, Any]]:
-    for key, child in _children(tree):
+    for key, child in children(tree):
         if isinstance(key, str):
             yield key, child
         yield from _walk_keys(child)
@@ -333,7 +340,7 @@ def step_count(state: PyTree) -> Tensor:
     while level:
         deeper = []
         for node in level:
-            for key, child in _children(node):
+            for key, child in children(node):
                 if _is_counter(key, child):
                     return child
                 deeper.append(child)

@@ -13,7 +13,7 @@ from .engine import ops as lay
 from . import _foreach as ls
 from . import _tree as tr
 from ._base import (
-    require_params,
+    check_bool,
     EmptyState,
     Params,
     PyTree,
@@ -64,8 +64,7 @@ def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0, mask: Any = None, 
     """
     check_hyperparam("weight_decay", weight_decay)
     check_nonnegative("weight_decay", weight_decay)
-    if not isinstance(cautious, bool):
-        raise ValueError(f"cautious must be True or False, got {cautious!r}")
+    check_bool("cautious", cautious)
 
     def init(params: Params) -> EmptyState | AddDecayedWeightsState:
         if callable(weight_decay):
@@ -79,8 +78,7 @@ def add_decayed_weights(weight_decay: ScalarOrSchedule = 0.0, mask: Any = None, 
         return 1.0, weight_decay, state
 
     def update(grads, state, params=None, **extra):
-        require_params(params, "add_decayed_weights")
-        ps_ = tr.check_match(params, grads, "params", "grads", dtype=False)
+        ps_ = tr.params_for(params, grads, "add_decayed_weights")
         us, spec = pytree.tree_flatten(grads)
         _, wd, state = affine(state)
         if cautious:  # λ·p only where sign(u) = sign(p)

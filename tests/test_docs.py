@@ -51,6 +51,8 @@ def test_version_and_module_entry_points():
 
 _PATH = re.compile(r"(?<![\w/.-])((?:core|api|tests|benchmarks|docs|tools|property_tests|examples)/[\w/.-]*\w\.(?:py|md|sh|toml|yml))")
 _SECTION = re.compile(r"""the README's ["“]([^"”]+)["”]""")
+_HERE = re.compile(r'"([^"]{3,80})" (?:below|above)')
+_CORE_NAME = re.compile(r"(?<![\w.])ps\.([A-Za-z_]\w*)")
 
 
 def _texts() -> list[Path]:
@@ -74,7 +76,34 @@ def test_every_file_and_readme_section_the_docs_and_docstrings_name_exists():
         for m in _SECTION.finditer(line)
         if m.group(1) not in headings
     ]
+    for page in _texts():  # a section of the same page, "X" below / above
+        text = page.read_text()
+        here = set(re.findall(r"^#+ (.+)$", text, re.M))
+        missing += [
+            f"{page.relative_to(ROOT)}:{i}: the section {m.group(1)!r}"
+            for i, line in enumerate(text.splitlines(), 1)
+            for m in _HERE.finditer(line)
+            if m.group(1) not in here
+        ]
+    missing += [  # `ps.name`: a name of purestep.core
+        f"{page.relative_to(ROOT)}:{i}: ps.{m.group(1)}"
+        for page in _texts()
+        for i, line in enumerate(page.read_text().splitlines(), 1)
+        for m in _CORE_NAME.finditer(line)
+        if not hasattr(purestep.core, m.group(1))
+    ]
     assert not missing, "named but missing:\n" + "\n".join(missing)
+
+
+def test_the_layout_page_names_every_module():
+    layout = (ROOT / "docs" / "layout.md").read_text()
+    missing = [
+        str(f.relative_to(ROOT))
+        for package in ("core", "api")
+        for f in (ROOT / package).rglob("*.py")
+        if f.stem != "__init__" and not re.search(rf"`{re.escape(f.stem)}(\.py)?`", layout)
+    ]
+    assert not missing, f"modules docs/layout.md does not name: {missing}"
 
 
 def test_the_diloco_guides_example_runs(capsys):

@@ -21,7 +21,7 @@ from .compiling import compile_per_leaf
 from .donate import copy_scalars
 from .dtensor import has_dtensors
 from .flat import FlatStep, FlatUpdate
-from .per_leaf import PerLeaf
+from .per_leaf import PerLeaf, eager
 from .replicas import OverReplicas, hsdp_replicas
 from .sharded import ShardedEager, sharded_update
 
@@ -84,7 +84,7 @@ class Engine:
     - "per-leaf DTensor": DTensor params the sharded path cannot take, eager, whole DTensors.
 
     `program` is the data the paths run: make_update's `UpdateProgram` (kind "update") or
-    make_step's `StepProgram` ("step"), each with `pure`, `in_place` and `eager` forms.
+    make_step's `StepProgram` ("step"), each with `pure` and `in_place` forms (`per_leaf.eager`: uncompiled donation).
     Each path's runner is made once, when first needed.
     """
 
@@ -109,7 +109,7 @@ class Engine:
                 "per-leaf compiled": lambda: PerLeaf(
                     copy_scalars(compile_per_leaf(functools.partial(p.in_place, defer_scalars=True)))
                 ),
-                "eager in place": lambda: PerLeaf(p.eager),
+                "eager in place": lambda: PerLeaf(eager(p)),
                 # eager: dynamo does not trace copies into DTensors (a step program's own form)
                 "per-leaf DTensor": lambda: PerLeaf(
                     p.in_place
@@ -154,7 +154,8 @@ class Engine:
                     )
                     return _Path("sharded", f"DTensor params: {runner.describe(params)}{note}", runner)
                 why = runner.why_not or "the sharded path cannot take these params"
-            return _Path("per-leaf DTensor", f"{why}; eager, on whole DTensors", self._runner("per-leaf DTensor"))
+            how = "compiled" if self.compile and self.program.kind != "update" else "eager"  # see _runner
+            return _Path("per-leaf DTensor", f"{why}; {how}, on whole DTensors", self._runner("per-leaf DTensor"))
         if self.compile and self.flat_asked:
             if not _plain_leaves(params):
                 why = "leaves that are not plain dense tensors"
@@ -167,7 +168,7 @@ class Engine:
         if self.compile:
             return _Path("per-leaf compiled", "flat=False", self._runner("per-leaf compiled"))
         why = "donate=True without compile"
-        if self.program.kind == "update":  # `UpdateProgram.eager`: the in-place forms take neither
+        if self.program.kind == "update":  # `per_leaf.eager`: the in-place forms take neither
             why += (
                 "; a call with torch's AMP inputs (grad_scale, found_inf) or the transform's own inputs "
                 "(max_logits=, hessian=) runs the pure update and copies it in"

@@ -1,9 +1,12 @@
 """Writing new values into the user's tensors: the one place donation touches storage.
 
-A donated update hands back the trees it was given, holding the new values. Four ways to
+A donated update hands back the trees it was given, holding the new values. Five ways to
 get them there, each with its storage rule, and nothing else in the engine writes into a
 user's tensor (the one other writer is a transform's own in-place form on the eager paths,
 `with_in_place`: `p ← a·p + b·u` into the params it is given):
+
+- `add_into(params, updates)` (eager paths): `p ← a·p + b·u` in place, for an update
+  computed whole (a transform without an in-place form, make_step's eager step).
 
 - `copy_into(dst, src)`: copy each new leaf into the old tensor (`copy_`; DTensors leaf by
   leaf, a reduction's Partial result redistributed first). Always correct; costs a copy.
@@ -36,6 +39,12 @@ from .. import _tree as tr
 from .._base import PyTree
 from .dtensor import is_dtensor
 from .packed import is_packed
+
+
+def add_into(params: PyTree, updates: PyTree, a: Any = 1.0, b: Any = 1.0) -> None:
+    """`p ← a·p + b·u` into the user's params, in place: the eager paths' apply of updates
+    (`per_leaf.apply_in_place` where a transform has no in-place form of its own)."""
+    ls.scale_add_(tr.check_match(params, updates, "params", "updates", dtype=False), a, b, tr.tree_leaves(updates))
 
 
 def copy_into(dst_tree: PyTree, src_tree: PyTree, what: str, defer: list | None = None) -> None:

@@ -11,13 +11,13 @@ from typing import Any
 
 from .. import _tree as tr
 from . import rows, tp
-from .placement import Placement
+from .placement import Declined, Placement
 
 
 def placement(params: Any) -> Placement:
     """How `params` lie over the ranks: row blocks when every DTensor is `Shard(0)` along one
     dim of one mesh (`rows.why_not` reads that from the placements), else blocks over one
-    root mesh; a `ValueError` names what neither takes."""
+    root mesh; a `placement.Declined` names what neither takes."""
     pairs, _ = tr.tree_flatten_with_path(params)
     if rows.why_not(pairs) is None:
         return rows.placement(pairs)
@@ -28,5 +28,5 @@ def describe(params: Any) -> str:
     """What the sharded path runs on these params' mesh, for `explain()`."""
     try:
         return placement(params).describe()
-    except ValueError as e:
+    except Declined as e:
         return str(e)

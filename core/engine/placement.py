@@ -40,21 +40,32 @@ from .packed import PackSpec
 Unit = Hashable  # a unit of owner-computes: a leaf index, or (leaf index, first row, end row)
 
 
-def assign(units: tuple, cost: Callable[[Any], int], replicas: int, world: int) -> tuple[dict, dict]:
+class Declined(ValueError):
+    """Params the sharded path does not take (a mesh, a placement, a block it has no model
+    for), with the reason: the runners catch this one alone and fall back per leaf, so an
+    error in a transform's own code is never taken for a layout."""
+
+
+def assign(
+    units: tuple, cost: Callable[[Any], int], replicas: int, world: int, load: tuple[int, ...] = ()
+) -> tuple[dict, dict]:
     """Owners and computing replicas of `units`: largest cost first, each to the least loaded
     (replica, rank) slot (ties: the lowest), so with R replicas of S ranks each rank computes
-    about 1/(R·S) of the work. A pure function of the shapes: every rank computes the same."""
+    about 1/(R·S) of the work. `load`: per rank, the work it computes anyway (matrices it
+    holds whole: experts), counted from the start in every replica. A pure function of the
+    shapes: every rank computes the same."""
 
     def order(u: Any) -> tuple[int, int]:
         return (u, 0) if not isinstance(u, tuple) else u[:2]
 
     slots = [(q, r) for q in range(replicas) for r in range(world)]
-    load = dict.fromkeys(slots, 0)
+    start = dict(enumerate(load))
+    load_of = {(q, r): start.get(r, 0) for q, r in slots}
     owner, replica = {}, {}
     for u in sorted(units, key=lambda u: (-cost(u), order(u))):
-        q, r = min(slots, key=lambda s: (load[s], s))
+        q, r = min(slots, key=lambda s: (load_of[s], s))
         owner[u], replica[u] = r, q
-        load[(q, r)] += cost(u)
+        load_of[(q, r)] += cost(u)
     return owner, replica
 
 
@@ -156,18 +167,19 @@ class Placement(abc.ABC):
         return t
 
     # -- owner-computes -------------------------------------------------------------
-    def owners(self, units: tuple) -> dict:
-        """unit -> owner rank (in the group), from the shapes alone (`assign`)."""
-        return self._assign(units)[0]
+    def owners(self, units: tuple, load: tuple[int, ...] = ()) -> dict:
+        """unit -> owner rank (in the group), from the shapes alone (`assign`; `load`: the
+        work each rank computes anyway)."""
+        return self._assign(units, load)[0]
 
-    def computing_replica(self, units: tuple) -> dict:
+    def computing_replica(self, units: tuple, load: tuple[int, ...] = ()) -> dict:
         """unit -> the replica whose owner computes it (HSDP; 0 without replicas)."""
-        return self._assign(units)[1]
+        return self._assign(units, load)[1]
 
-    def _assign(self, units: tuple) -> tuple[dict, dict]:
-        if units not in self._owners:
-            self._owners[units] = assign(units, self._cost, self.replicas, self.world)
-        return self._owners[units]
+    def _assign(self, units: tuple, load: tuple[int, ...]) -> tuple[dict, dict]:
+        if (units, load) not in self._owners:
+            self._owners[(units, load)] = assign(units, self._cost, self.replicas, self.world, load)
+        return self._owners[(units, load)]
 
     def map_matrices(
         self, spec: PackSpec, fn: Callable, xs: list[Tensor], batch: list[int], extra: list | None = None
@@ -208,14 +220,16 @@ def exchange(
     assemble: Callable[[Any, list[Tensor]], Tensor],
     cut: Callable[[Any, Tensor, int], Tensor],
     compute: Callable[[list[Tensor], list], list[Tensor]],
+    load: tuple[int, ...] = (),
 ) -> dict[Any, Tensor]:
     """Owner-computes, the exchange both layouts run: every rank sends its block of each unit
     to the unit's owner in one all_to_all (`sent(u, r)`: how many elements rank r sends, 0 for
     none: an empty block, a copy counted elsewhere); the owner puts the whole matrix together
     (`assemble(u, the flat pieces by rank)`), runs `compute(wholes, units)` on all it owns,
     and sends every rank its block of each result (`cut(u, result, r)`, `held(u, r)` elements)
-    in a second all_to_all. Returns this rank's block of every unit's result."""
-    owner, me, world = placement.owners(units), placement.rank, placement.world
+    in a second all_to_all (owners balanced over `load`, the work each rank computes
+    anyway). Returns this rank's block of every unit's result."""
+    owner, me, world = placement.owners(units, load), placement.rank, placement.world
     mine = [u for u in units if owner[u] == me]
     dtype = blocks[units[0]].dtype
     send = [blocks[u].reshape(-1).to(dtype) for d in range(world) for u in units if owner[u] == d and sent(u, me)]

@@ -41,6 +41,7 @@ from torch import Tensor
 from .. import _tree as tr
 from .donate import copy_into
 from .dtensor import is_dtensor, local
+from .placement import Declined
 from .rows import _chunk, nested_placements
 
 
@@ -114,7 +115,7 @@ class OverReplicas:
         else:  # HSDP: FSDP2 all-reduced the grads across the replicas
             found = hsdp_replicas(params)
             if found is None:
-                raise ValueError("shard_state_over_replicas=True: the params are not HSDP row blocks with replicas")
+                raise Declined("shard_state_over_replicas=True: the params are not HSDP row blocks with replicas")
             self.mesh, self.rdim, self.sdim = found
             self.me = self.mesh.get_local_rank(self.rdim)
         self.group, self.replicas = self.mesh.get_group(self.rdim), self.mesh.size(self.rdim)
@@ -126,7 +127,7 @@ class OverReplicas:
         self.split = [is_dtensor(x) and self._is_block(x) for x in leaves]
         if self.given is not None and not all(self.split):
             path = tr.tree_flatten_with_path(params)[0][self.split.index(False)][0]
-            raise ValueError(
+            raise Declined(
                 f"shard_state_over_replicas=<mesh>: param '{path}' is not an FSDP2 block over the mesh's shard dim "
                 f"(ranks {self.shard_ranks}): fully_shard every module with mesh=mesh['shard']"
             )
@@ -221,7 +222,7 @@ class OverReplicas:
     def plans(self, params: Any, agree: bool = True) -> bool:
         try:
             proxies = self._prepare(params)
-        except ValueError as e:
+        except Declined as e:
             self.why_not = str(e)
             return False
         ok = self.inner.plans(proxies, agree=agree)

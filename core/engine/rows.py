@@ -29,7 +29,7 @@ from torch import Tensor
 
 from .dtensor import is_dtensor
 from .packed import PackSpec
-from .placement import Placement, exchange
+from .placement import Declined, Placement, exchange
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +176,7 @@ def _nested(pairs: list[tuple[str, Any]], mesh: Any, order: tuple[int, int], dev
 
 def _check_local(path: str, x: Any, rows: int) -> None:
     if tuple(x._local_tensor.shape) != (rows, *x.shape[1:]):
-        raise ValueError(
+        raise Declined(
             f"param '{path}': this rank holds {tuple(x._local_tensor.shape)} of {tuple(x.shape)}, not torch.chunk's "
             f"{(rows, *x.shape[1:])} rows; purestep's sharded step takes FSDP2's even chunking"
         )

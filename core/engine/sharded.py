@@ -44,6 +44,8 @@ from .mesh import describe as describe
 from .mesh import placement
 from .needs import plan
 from .packed import NotPacked, Packed, PackSpec
+from .per_leaf import eager
+from .placement import Declined
 
 
 class ShardBlocks(OwnTensors):
@@ -66,7 +68,7 @@ class ShardBlocks(OwnTensors):
             info = placement(params)
             tags = [info.tags(i) for i in range(len(info.shapes))]
             return plan(transform, local_tree(params), tags=tags, shard=info)
-        except ValueError as e:  # a placement or mesh the sharded path does not take
+        except Declined as e:  # a placement or mesh the sharded path does not take
             raise NotPacked(str(e)) from e
 
     def agree(self, ok: bool, params: Any, runner: Any) -> bool:
@@ -124,12 +126,12 @@ class ShardedEager:
     Eager kernels gain nothing from packing (one op per leaf either way) and would pay for
     the copies and temporaries of large buffers, so here the "buffers" are the user's own
     local blocks, in place, with no binding and no storage moved: the transform runs through
-    its in-place forms (`eager(params, grads, state, ema)`) on a packed tree of one leaf per
+    its in-place forms (`per_leaf.eager(program)`) on a packed tree of one leaf per
     group, which gives `ops` the shard description (reductions across ranks,
     owner-computes)."""
 
     def __init__(self, program: Program) -> None:
-        self.transform, self.eager, self.averaging = program.transform, program.eager, program.averaging
+        self.transform, self.eager, self.averaging = program.transform, eager(program), program.averaging
         self.why_not: str | None = None
         self._planned: tuple[list[int], PackSpec, Any, Any] | None = None
 
@@ -153,7 +155,7 @@ class ShardedEager:
             ok = True
         except NotPacked as e:
             self.why_not, ok = e.reason, False
-        except ValueError as e:  # a placement or mesh the sharded path does not take
+        except Declined as e:  # a placement or mesh the sharded path does not take
             self.why_not, ok = str(e), False
         return _agree(ok, params, self) if agree else ok
 

@@ -22,7 +22,7 @@ from torch import Tensor
 from .. import _compat as compat
 from .dtensor import is_dtensor
 from .packed import PackSpec
-from .placement import Placement, exchange
+from .placement import Declined, Placement, exchange
 
 
 class TPBlocks(Placement):
@@ -139,9 +139,10 @@ class TPBlocks(Placement):
         whose leading dims index matrices (batch_dims >= 1: experts) when every block holds
         whole matrices (FSDP2's rows over expert parallelism's `Shard(0)`): each rank computes
         its own, with no collective, an expert's work done once where it lies (again on a
-        copy). Every other leaf split over ranks is assembled whole at its owner: every rank
-        sends the blocks that count (not the copies), the owner places them at their offsets,
-        and every rank gets its block of the result (copies too)."""
+        copy; the owners of the rest are balanced over that work). Every other leaf split over
+        ranks is assembled whole at its owner: every rank sends the blocks that count (not the
+        copies), the owner places them at their offsets, and every rank gets its block of the
+        result (copies too)."""
         results: dict[int, Tensor] = {}
         local = [i for i in sorted(blocks) if not self.sharded[i]]
         local += [i for i in sorted(blocks) if self.sharded[i] and self._whole_matrices(i, lead[i])]
@@ -153,6 +154,8 @@ class TPBlocks(Placement):
         if not units:
             return results
         boxes, dtype = self.boxes, blocks[units[0]].dtype
+        whole = [i for i in local if self.sharded[i]]  # each rank's own matrices: owners balance over them
+        load = tuple(sum(_batched_cost(boxes.of(i)[r][1], lead[i]) for i in whole) for r in range(self.world))
 
         def sent(i: int, r: int) -> int:
             return _numel(boxes.of(i)[r]) if boxes.counts(i, r) else 0
@@ -171,7 +174,7 @@ class TPBlocks(Placement):
         def cut(i: int, result: Tensor, r: int) -> Tensor:
             return result[_box_slices(boxes.of(i)[r])]
 
-        results.update(exchange(self, units, blocks, sent, held, assemble, cut, run))
+        results.update(exchange(self, units, blocks, sent, held, assemble, cut, run, load if any(load) else ()))
         return results
 
 
@@ -245,6 +248,12 @@ def _local_shape(x: Any) -> torch.Size:
     return x._local_tensor.shape if is_dtensor(x) else x.shape
 
 
+def _batched_cost(shape: tuple[int, ...], lead: int) -> int:
+    """Newton-Schulz's cost of a block of `prod(shape[:lead])` matrices of `shape[lead:]`."""
+    rows, cols = shape[lead], math.prod(shape[lead + 1 :])
+    return math.prod(shape[:lead]) * rows * cols * min(rows, cols)
+
+
 def _numel(box: tuple[tuple[int, ...], tuple[int, ...]]) -> int:
     return math.prod(box[1])
 
@@ -265,11 +274,11 @@ def placement(pairs: list[tuple[str, Any]]) -> TPBlocks:
     dtensors = [(p, x) for p, x in pairs if is_dtensor(x)]
     roots = {id(compat.root_mesh(x.device_mesh)): compat.root_mesh(x.device_mesh) for _, x in dtensors}
     if len(roots) != 1:
-        raise ValueError(f"the params' DTensors live under {len(roots)} root device meshes; one is needed")
+        raise Declined(f"the params' DTensors live under {len(roots)} root device meshes; one is needed")
     root = next(iter(roots.values()))
     world = torch.distributed.get_world_size()
     if root.mesh.numel() != world:
-        raise ValueError(f"the params' root mesh holds {root.mesh.numel()} of the world's {world} ranks")
+        raise Declined(f"the params' root mesh holds {root.mesh.numel()} of the world's {world} ranks")
     names = root.mesh_dim_names
     all_dims = tuple(range(root.ndim))
     copies: list[tuple[int, ...]] = []
@@ -286,7 +295,7 @@ def placement(pairs: list[tuple[str, Any]]) -> TPBlocks:
             dims_of[id(mesh)] = _root_dims(mesh, root, coords)
         dims = dims_of[id(mesh)]
         if dims is None:
-            raise ValueError(
+            raise Declined(
                 f"param '{path}': its mesh {mesh.mesh_dim_names} is neither a named slice of the root mesh nor a "
                 "flattening of its dims"
             )
@@ -294,14 +303,14 @@ def placement(pairs: list[tuple[str, Any]]) -> TPBlocks:
         split: set[int] = set()
         for ds, p in zip(dims, x.placements):
             if isinstance(p, Partial):
-                raise ValueError(f"param '{path}' is placed {tuple(x.placements)}: a Partial value is no block")
+                raise Declined(f"param '{path}' is placed {tuple(x.placements)}: a Partial value is no block")
             if not isinstance(p, Replicate):
                 split.update(ds)
         copies.append(tuple(d for d in all_dims if d not in split))
     spanned = {d for dims in mesh_dims for ds in dims for d in ds}
     if spanned != set(all_dims):  # a dim no leaf spans holds other params (pipeline stages), not copies
         left = [names[d] if names else d for d in all_dims if d not in spanned]
-        raise ValueError(
+        raise Declined(
             f"no param spans the root mesh's dims {left} (pipeline stages?): reductions over them are not built"
         )
     coordinate = tuple(root.get_coordinate())

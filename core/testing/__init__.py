@@ -48,7 +48,7 @@ from ._strategies import grad_trees as grad_trees
 from ._strategies import hyperparams as hyperparams
 from ._strategies import param_trees as param_trees
 from .._base import affine_of, apply_of
-from .._combine import apply_in_place
+from ..engine.per_leaf import apply_in_place
 from ._invariants import InvariantError as InvariantError
 from ._invariants import as_factory, call_checked, clone_tree, compare_runs, first_difference, in_float64, kit_settings
 from ._invariants import make_transform, name_of, run_reporting, same_bits, trajectory, where_in_run

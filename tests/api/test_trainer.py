@@ -485,6 +485,7 @@ def test_nonfinite_gradients_skip_the_step_on_the_device_and_are_logged(tmp_path
     t.fit()
     assert t.updates == 5 and t.step == 6
     assert [(e["step"], e["event"], e["skipped"]) for e in events(tmp_path)] == [(3, "skip_nonfinite", 1)]
+    assert int(ps.skipped_updates(t.opt_state)[1]) == int(t.nonfinite()) == 1
     assert all(torch.isfinite(p).all() for p in t.named.values())
     assert any(not torch.equal(before[k], p) for k, p in t.named.items())
 

@@ -118,3 +118,25 @@ def test_apply_fused_declines_what_its_kernel_does_not_take():
     assert not adam.apply_fused(gs, mu, nu, ps_, 0.9, 0.999, t, 1e-8, 1.0, lr)
     assert all(torch.equal(a, b) for a, b in zip(ps_, before))
     assert all(torch.count_nonzero(m) == 0 for m in mu + nu)
+
+
+def test_one_dispatch_names_the_kernel_scale_by_adam_runs(monkeypatch):
+    leaves = lambda *shape: [torch.randn(*shape) for _ in range(4)]  # noqa: E731  (gs, mu, nu, params)
+    t = torch.tensor(3.0, dtype=torch.float64)
+    assert adam.kernel(None, 0.9, 0.999, 1e-8) == "definition"  # moments not plain (low precision, amsgrad)
+    assert adam.kernel(leaves(3, 2), 0.9, 0.999, 1e-8) == "leafwise"
+    assert adam.kernel(leaves(3, 2), 0.9, 0.999, 1e-8, 0.99, -1e-3, t=t) == "apply_fused"
+    strided = [x.t() for x in leaves(3, 2)]  # the fused kernel walks storage: not contiguous
+    assert adam.kernel(strided, 0.9, 0.999, 1e-8, 0.99, -1e-3, t=t) == "apply_leafwise"
+    assert adam.kernel(leaves(3, 2), 0.9, 0.999, 1e-8, 0.99, 0.0, t=t) == "apply_leafwise"  # lr 0: no fused step
+    # scale_by_adam runs what the dispatch names: each registered kernel, counted.
+    ran = []
+    for name, fn in list(adam.IMPLEMENTATIONS.items()):
+        monkeypatch.setitem(adam.IMPLEMENTATIONS, name, lambda *a, _n=name, _f=fn: ran.append(_n) or _f(*a))
+    params = {"w": torch.randn(3, 2)}
+    opt = ps.adamw(1e-3, weight_decay=0.1)
+    update = ps.make_update(opt, donate=True)
+    params, state = update(params, {"w": torch.randn(3, 2)}, opt.init(params))
+    opt.update({"w": torch.randn(3, 2)}, state, params)
+    ps.adam(1e-3, mu_dtype=torch.bfloat16).update({"w": torch.randn(3, 2)}, ps.adam(1e-3, mu_dtype=torch.bfloat16).init(params), params)
+    assert ran == ["apply_fused", "leafwise", "definition"]

@@ -292,6 +292,27 @@ def test_apply_if_finite_over_an_unbounded_transform_checks_the_new_state():
     assert bool(torch.isfinite(state.inner_state["w"]).all())
 
 
+def test_skipped_updates_reads_the_outermost_apply_if_finite():
+    params = {"w": torch.zeros(2), "b": torch.zeros(3)}
+    nan = {"w": torch.full((2,), float("nan")), "b": torch.ones(3)}
+    inner = ps.apply_if_finite(ps.adam(1e-3))
+    opt = ps.diloco(ps.apply_if_finite(ps.chain(ps.clip_by_global_norm(1.0), inner)), ps.sgd(0.7), sync_every=2)
+    state = opt.init(params)
+    assert [bool(x) for x in ps.skipped_updates(state)] == [False, False]
+    for grads, skipped, total in ((nan, True, 1), (nan, True, 2), ({k: torch.ones_like(v) for k, v in params.items()}, False, 2)):
+        _, state = opt.update(grads, state, params)
+        now, count = ps.skipped_updates(state)
+        assert (bool(now), int(count)) == (skipped, total)
+        assert now.dtype == torch.bool and count.dtype == torch.int64
+    count.add_(5)  # a copy: the state's counter is not written through it
+    assert int(ps.skipped_updates(state)[1]) == 2
+    assert ps.skipped_updates(ps.adam(1e-3).init(params)) is None
+    two = ps.partition({"a": ps.apply_if_finite(ps.sgd(0.1)), "b": ps.apply_if_finite(ps.sgd(0.1))}, {"w": "a", "b": "b"})
+    assert ps.skipped_updates(two.init(params)) is None  # two at the same depth: no one answer
+    _, _, m = ps.make_update(ps.apply_if_finite(two), metrics=True)(params, nan, ps.apply_if_finite(two).init(params))
+    assert bool(m["skipped"])  # the outermost one's, beside inner ones
+
+
 def test_apply_if_finite_applies_after_max_consecutive_failures():
     params = make_params()
     inf_grads = {k: torch.full_like(v, float("inf")) for k, v in params.items()}

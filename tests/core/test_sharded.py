@@ -33,6 +33,18 @@ def test_owners_balance_newton_schulz_cost_and_agree_on_every_rank():
     assert sorted(set(owners[0].values())) == [0, 1, 2, 3]  # every rank gets work
 
 
+def test_owners_balance_over_the_work_each_rank_computes_anyway():
+    from purestep.core.engine.placement import assign
+
+    cost = [8, 4, 4].__getitem__
+    assert assign((0, 1, 2), cost, 1, 2)[0] == {0: 0, 1: 1, 2: 1}
+    # rank 0 computes 12 where it lies (its experts): the owned matrices go to rank 1 first
+    assert assign((0, 1, 2), cost, 1, 2, load=(12, 0))[0] == {0: 1, 1: 1, 2: 0}
+    # with replicas, every replica's rank 0 carries that load
+    owner, replica = assign((0, 1, 2), cost, 2, 2, load=(12, 0))
+    assert owner == {0: 1, 1: 1, 2: 1} and replica == {0: 0, 1: 1, 2: 1}
+
+
 def test_row_blocks_follow_torch_chunk_with_empty_ranks():
     s = _slice((5, 3), 4)  # chunk 2: rows 2, 2, 1, 0
     assert s.starts == (0, 2, 4, 5) and s.counts == (2, 2, 1, 0)

@@ -35,6 +35,9 @@ The model is `purestep.api.models.GPT` (dim 128, 24 blocks: 5.2M params in 147 t
   (replicate 2, shard 2, tp 2) mesh: the TP plan over "tp", HSDP over (replicate, shard).
 - `ep`: `muon` on the MoE GPT (4 experts per block, 6 blocks) with expert parallelism 2
   beside FSDP2 2 (the Trainer's `ep = 2`): each expert's Newton-Schulz runs once, where it lies.
+- `owners`: SOAP and Kron on HSDP 2x2 (6 blocks): each leaf's refit, preconditioner and state
+  at its owner (`engine/owners.py`): eigen/QR work, matmul FLOPs and state bytes per rank
+  against one process, step time, and the params against one process's.
 
 4 ranks on a 2-core machine oversubscribe it: only ratios measured in one run compare.
 """
@@ -47,6 +50,7 @@ import os
 import platform
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -335,6 +339,109 @@ def part_muon(mesh, args, label: str = "HSDP 2x2", model_fn=None, whole_fn=None)
     ]
 
 
+class LinalgWork:
+    """The d³ of every eigh and QR (and n·d² of every triangular solve) issued while counting:
+    the eigen work SOAP's and Kron's refits do, which the profiler's FLOPs leave out."""
+
+    def __init__(self) -> None:
+        self.total, self.on = 0.0, False
+        for name, cost in (
+            ("eigh", lambda a, *r, **k: a.shape[-1] ** 3),
+            ("qr", lambda a, *r, **k: a.shape[-2] * a.shape[-1] ** 2),
+            ("solve_triangular", lambda a, b, *r, **k: b.numel() * a.shape[-1]),
+        ):
+            setattr(torch.linalg, name, self._wrap(getattr(torch.linalg, name), cost))
+
+    def _wrap(self, fn, cost):
+        def counted(*args, **kwargs):
+            if self.on:
+                self.total += float(cost(*args, **kwargs))
+            return fn(*args, **kwargs)
+
+        return counted
+
+    def count(self, fn, calls: int) -> tuple[float, float]:
+        """(linalg work, profiler matmul FLOPs) of `calls` calls of `fn`."""
+        self.total, self.on = 0.0, True
+        try:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_flops=True) as prof:
+                for _ in range(calls):
+                    fn()
+        finally:
+            self.on = False
+        mm = float(
+            sum(
+                e.flops or 0
+                for e in prof.key_averages()
+                if e.key in ("aten::bmm", "aten::baddbmm", "aten::mm", "aten::addmm")
+            )
+        )
+        return self.total, mm
+
+
+def part_owners(mesh, args) -> list[str]:
+    """SOAP and Kron on HSDP 2x2 (the GPT at 6 blocks): each leaf's refit, preconditioner and
+    state at one rank (engine.owners), against the same update on the whole model in one process."""
+    work = LinalgWork()
+    cases = {
+        "soap(precondition_frequency=2)": lambda: ps.soap(3e-3, precondition_frequency=2),
+        "kron(update_prob=1.0)": lambda: ps.kron(1e-3, update_prob=1.0),
+    }
+    out = [
+        "### SOAP and Kron on HSDP 2x2, each leaf's math and state at its owner (6 blocks, 1.4M params)",
+        "",
+        "Work from the first call (SOAP: the eigenbasis set up, then a QR refresh every 2nd update; Kron: a refit",
+        "every update): eigh/QR d³ and triangular solves (`torch.linalg`, counted per call) and the profiler's",
+        "matmul FLOPs (projections, Gram matrices, preconditioning), per rank against one process.",
+        "",
+        "| optimizer | eigen/QR/solve work per rank / one process (target: 1/4 + the largest leaf's share) | matmul FLOPs per rank / one process | state bytes per rank / one process | step, mesh / one process | params after the steps, largest relative difference |",
+        "|---|---|---|---|---|---|",
+    ]
+    calls = 4 + 3 + args.steps  # counted, then interleaved's warm-up and timed calls
+    for label, make in cases.items():
+        model = build(mesh, n_layers=6)
+        params, grads = dict(model.named_parameters()), grads_of(model)
+        opt = make()
+        state = opt.init(params)
+        update = ps.make_update(opt, donate=True)
+        step = lambda: update(params, grads, state)  # noqa: E731
+        mine = torch.tensor([*work.count(step, 4), float(ps.state_bytes(state))])
+        every = [torch.zeros(3) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        t_mesh = interleaved({"mesh": step}, args.steps)["mesh"]
+        mesh_params = {k: v.full_tensor() for k, v in model.named_parameters()}
+        if dist.get_rank() == 0:
+            alone = build(None, n_layers=6)
+            p1, g1 = dict(alone.named_parameters()), grads_of(alone)
+            s1 = opt.init(p1)
+            one = ps.make_update(opt, donate=True)
+            step1 = lambda: one(p1, g1, s1)  # noqa: E731
+            whole = [*work.count(step1, 4), float(ps.state_bytes(s1))]
+            ts = []
+            for _ in range(calls - 4):
+                t = time.perf_counter()
+                step1()
+                ts.append(time.perf_counter() - t)
+            t_one = statistics.median(ts[3:])
+            with torch.no_grad():
+                worst = max(
+                    float((mesh_params[k] - p).abs().max() / p.abs().max().clamp(min=1e-12)) for k, p in p1.items()
+                )
+            ratio = lambda j: ", ".join(f"{float(e[j]) / whole[j]:.3f}" for e in every)  # noqa: E731
+            # a leaf's eigen work ~ Σ d³ over its dims (matrices: every dim factored)
+            cost = [sum(d**3 for d in p.shape) for p in p1.values() if p.dim() >= 2]
+            bound = 1 / len(every) + max(cost) / sum(cost)
+            top = max(float(e[0]) for e in every) / whole[0]
+            met = "met" if top <= bound else "not met"
+            out.append(
+                f"| {label} | {ratio(0)} (target {bound:.3f}: {met}) | {ratio(1)} | {ratio(2)} | {t_mesh * 1e3:.0f} ms / {t_one * 1e3:.0f} ms = "
+                f"{t_mesh / t_one:.2f}x | {worst:.1e} |"
+            )
+        dist.barrier()
+    out += ["", f"`explain()`: {update.explain()}", ""]
+    return out if dist.get_rank() == 0 else []
+
+
 def build_tp(n_layers: int = 24, dim: int = 128) -> torch.nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -449,7 +556,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", nargs="+", default=["step", "muon", "collectives"],
-                    choices=["step", "muon", "collectives", "tp", "tp-muon", "replicas", "ep", "hsdp-tp", "hsdp-tp-muon"])
+                    choices=["step", "muon", "collectives", "tp", "tp-muon", "replicas", "ep", "hsdp-tp", "hsdp-tp-muon", "owners"])
     ap.add_argument("--steps", type=int, default=10, help="interleaved steps per repeat (median)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--check", type=int, default=5, help="steps of the equality check")
@@ -465,7 +572,7 @@ def main() -> None:
     hsdp_tp = "HSDP beside TP on (replicate 2, shard 2, tp 2)"
     for part in args.parts:
         lines += {"step": part_step, "muon": part_muon, "collectives": part_collectives, "tp": part_tp,
-                  "replicas": part_replicas,
+                  "replicas": part_replicas, "owners": part_owners,
                   "tp-muon": lambda mesh, args: part_muon(mesh, args, "FSDP+TP 2x2", build_tp),
                   "hsdp-tp": lambda mesh, args: part_tp(mesh, args, build_hsdp_tp, hsdp_tp),
                   "hsdp-tp-muon": lambda mesh, args: part_muon(mesh, args, hsdp_tp, build_hsdp_tp),

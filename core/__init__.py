@@ -18,6 +18,7 @@ from ._base import with_in_place as with_in_place
 from .engine.needs import Needs as Needs
 from .engine.needs import Rule as Rule
 from .engine.needs import contains as contains
+from .engine.needs import takes_parts as takes_parts
 from .engine.needs import needs_of as needs_of
 from .engine.needs import with_needs as with_needs
 from ._clipping import ClipByGlobalNormState as ClipByGlobalNormState
@@ -164,6 +165,7 @@ __all__ = [
     "with_needs",
     "needs_of",
     "contains",
+    "takes_parts",
     "once",
     "EmptyState",
     "Schedule",

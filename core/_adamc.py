@@ -11,6 +11,7 @@ from torch import Tensor
 from . import _foreach as ls
 from . import _tree as tr
 from ._base import (
+    schedule_clock,
     Params,
     ScalarOrSchedule,
     Transform,
@@ -26,6 +27,7 @@ from ._blocks import scale_by_adam, scale_by_lr
 from .engine.needs import Needs, with_needs
 
 
+@schedule_clock
 class AdamcState(NamedTuple):
     """State of `adamc`'s decay: the largest lr applied so far."""
 

@@ -65,6 +65,21 @@ class Transform(NamedTuple):
 _IN_PLACE: "weakref.WeakKeyDictionary[Callable, tuple]" = weakref.WeakKeyDictionary()
 
 
+_CLOCK_STATES: set[type] = set()
+
+
+def schedule_clock(cls: type) -> type:
+    """Declare a state class whose `count` is the step a schedule reads (`scale_by_lr`'s,
+    `inject_hyperparams`'...): `ps.schedule_clocks` finds those counters by it."""
+    _CLOCK_STATES.add(cls)
+    return cls
+
+
+def is_clock_state(node: Any) -> bool:
+    """Whether `node` is a state declared by `schedule_clock`."""
+    return type(node) in _CLOCK_STATES
+
+
 def with_in_place(update: Callable, *, affine: Callable | None = None, apply_: Callable | None = None) -> Callable:
     """`update`, registered with its in-place forms (see `Transform`): returns `update`
     itself, for `Transform(init, with_in_place(update, affine=...))`."""

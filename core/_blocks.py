@@ -17,6 +17,7 @@ from . import _adam as adam
 from . import _foreach as ls
 from . import _tree as tr
 from ._base import (
+    schedule_clock,
     EmptyState,
     Params,
     ScalarOrSchedule,
@@ -59,6 +60,7 @@ def scale(factor: float | Tensor) -> Transform:
     return with_needs(Transform(init, with_in_place(update, affine=affine)), Needs(bounded=True))
 
 
+@schedule_clock
 class ScaleByLrState(NamedTuple):
     """State of `scale_by_lr` with a scheduled lr."""
 

@@ -10,11 +10,23 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from . import _tree as tr
-from ._base import OptState, Params, Transform, as_float64, leaf_device, resolve, with_in_place, zero_count
+from ._base import (
+    is_clock_state,
+    schedule_clock,
+    OptState,
+    Params,
+    Transform,
+    as_float64,
+    leaf_device,
+    resolve,
+    with_in_place,
+    zero_count,
+)
 from .engine.per_leaf import apply_in_place
 from .engine.needs import Needs, bounded, with_needs
 
 
+@schedule_clock
 class InjectHyperparamsState(NamedTuple):
     """State of `inject_hyperparams`: the hyperparameters in use and the inner state."""
 
@@ -150,9 +162,11 @@ def get_hyperparams(state: OptState) -> dict[str, Any]:
 
 
 def schedule_clocks(state: OptState) -> list[Tensor]:
-    """The step counters the schedules of `inject_hyperparams` read, anywhere in `state`:
-    the 0-d int64 tensors themselves (no copy), to set in place (`clock.fill_(step)`: a
-    run on a time budget moves its schedules by progress, with no recompile).
+    """The step counters schedules read, anywhere in `state` (`inject_hyperparams`',
+    `scale_by_lr`'s, `add_decayed_weights`'... every state class declared a
+    `schedule_clock`): the 0-d int64 tensors themselves (no copy), outermost first, to set
+    in place (`clock.fill_(step)`: a run on a time budget moves its schedules by progress,
+    with no recompile).
 
     Examples:
         >>> import torch, purestep.core as ps
@@ -160,8 +174,11 @@ def schedule_clocks(state: OptState) -> list[Tensor]:
         >>> ps.schedule_clocks(state)
         [tensor(0)]
     """
-    found = pytree.tree_leaves(state, is_leaf=lambda x: isinstance(x, InjectHyperparamsState))
-    return [s.count for s in found if isinstance(s, InjectHyperparamsState)]
+    found, level = [], [state]
+    while level:
+        found += [node.count for node in level if is_clock_state(node)]
+        level = [child for node in level for _, child in tr.children(node)]
+    return found
 
 
 def set_hyperparam(state: OptState, name: str, value: Any) -> OptState:

@@ -41,6 +41,7 @@ from ._blocks import scale_by_lr
 from ._combine import chain
 from ._schedules import _schedule
 from ._cond import as_is, cond, fresh, plain_branch
+from .engine import owners
 from .engine.dtensor import is_dtensor
 from .engine.needs import Needs, with_needs
 
@@ -223,8 +224,10 @@ def scale_by_kron(
     """PSGD-Kron's preconditioned direction (the update before lr and decay); see `kron`.
 
     Runs per leaf (its factors are not shaped like the params): `make_update` compiles it per
-    leaf with `compile=True`; on DTensor leaves every rank refits and preconditions the whole
-    leaf (the momentum keeps its param's placements).
+    leaf with `compile=True`. On DTensor params the sharded path models (FSDP2, HSDP, TP), in
+    float32 or float64 with `mu_dtype=None`, each leaf's update runs at one rank, its owner,
+    where its momentum and factors live (`engine/owners.py`); otherwise every rank refits and
+    preconditions the whole leaf.
 
     Examples:
         >>> import torch, purestep.core as ps
@@ -270,10 +273,25 @@ def scale_by_kron(
             for d, is_diag in zip(shape, diag)
         )
 
+    def owned(leaves: list) -> Any:
+        """The leaves' `engine.owners` when the momentum and factors live at each leaf's owner:
+        DTensor params in a placement the engine models, momentum kept in their own float32
+        or float64 (nothing to round)."""
+        full = mu_dtype is None and all(x.dtype in (torch.float32, torch.float64) for x in leaves)
+        return owners.of(leaves) if full and owners.takes(leaves) else None
+
     def init(params: Params) -> ScaleByKronState:
-        count = zero_count(leaf_device(pytree.tree_leaves(params)))
+        leaves, spec = pytree.tree_flatten(params)
+        at = owned(leaves)
+        count = zero_count(at.device if at is not None else leaf_device(leaves))
         key = torch.full((), seed, dtype=torch.int64, device=count.device)
-        return ScaleByKronState(count, key, lp.init_moments(params, mu_dtype), pytree.tree_map(factors, params))
+        if at is None:
+            return ScaleByKronState(count, key, lp.init_moments(params, mu_dtype), pytree.tree_map(factors, params))
+        # Each leaf's momentum and factors at the rank that runs its math (`engine.owners`).
+        mus = [at.zeros(i, tuple(p.shape), p.dtype) for i, p in enumerate(leaves)]
+        qs = [tuple(at.placed(i, f if at.owner[i] in (None, at.me) else f[:0], f.shape) for f in factors(p))
+              for i, p in enumerate(leaves)]  # fmt: skip
+        return ScaleByKronState(count, key, pytree.tree_unflatten(mus, spec), pytree.tree_unflatten(qs, spec))
 
     def update(grads, state, params=None, **extra):
         count = state.count
@@ -281,8 +299,31 @@ def scale_by_kron(
         bc1 = once(1.0 - beta1 ** (count + 1).to(torch.float64))
         refit = _coin(state.key, count) < as_float64(resolve(prob, count), count.device)
         out_ = as_is if plain_branch(refit) else fresh
-        gs, wide, mus = lp.load_moments(grads, state.mu, params)
+
+        def leaf(n: int, mu: Tensor, g: Tensor | None, qs: Any) -> tuple[Tensor, tuple]:
+            """Leaf `n`'s direction and factors from its whole momentum (after this update's
+            EMA) and, unless the momentum fits the preconditioner, its whole grad."""
+            cd = qs[0].dtype
+            shape = tuple(mu.shape) or (1,)
+            m_hat = (mu / bc1.to(mu.dtype)).to(cd).reshape(shape)
+            fit_on = m_hat if g is None else g.to(cd).reshape(shape)
+
+            def renew(fit_on, key, count, *qs):
+                v = probe(fit_on, key, count, n)
+                return tuple(out_(q) for q in _refit(fit_on, v, list(qs), precond_lr))
+
+            def keep(fit_on, key, count, *qs):
+                return tuple(out_(q) for q in qs)
+
+            qs = tuple(cond(refit, renew, keep, (fit_on, state.key, count, *qs)))
+            d = _precondition(m_hat, list(qs))
+            return d * torch.clamp(1.1 / (d.square().mean().sqrt() + 1e-6), max=1.0), qs  # RMS at most 1.1
+
         spec = pytree.tree_structure(grads)
+        at = owned(spec.flatten_up_to(grads))
+        if at is not None:
+            return owned_update(grads, state, at, beta1, leaf)
+        gs, wide, mus = lp.load_moments(grads, state.mu, params)
         q_leaves = spec.flatten_up_to(state.q)  # a tuple of factors per leaf (the params' own tuples are not leaves)
         new_mus = ls.ema(mus, wide, beta1)  # m ← β₁·m + (1-β₁)·g
         outs, new_qs = [], []
@@ -291,22 +332,9 @@ def scale_by_kron(
                 new_qs.append(qs)
                 outs.append(torch.zeros_like(g))
                 continue
-            cd = qs[0].dtype
-            shape = tuple(g.shape) or (1,)
-            m_hat = (_whole(mu) / bc1.to(mu.dtype)).to(cd).reshape(shape)
-            fit_on = m_hat if momentum_into_precond_update else _whole(gw).to(cd).reshape(shape)
-
-            def renew(fit_on, key, count, *qs, n=n):
-                v = probe(fit_on, key, count, n)
-                return tuple(out_(q) for q in _refit(fit_on, v, list(qs), precond_lr))
-
-            def keep(fit_on, key, count, *qs):
-                return tuple(out_(q) for q in qs)
-
-            qs = tuple(cond(refit, renew, keep, (fit_on, state.key, count, *qs)))
+            fit_g = None if momentum_into_precond_update else _whole(gw)
+            d, qs = leaf(n, _whole(mu), fit_g, qs)
             new_qs.append(qs)
-            d = _precondition(m_hat, list(qs))
-            d = d * torch.clamp(1.1 / (d.square().mean().sqrt() + 1e-6), max=1.0)  # RMS at most 1.1
             outs.append(_placed_like(d.reshape(g.shape).to(g.dtype), g))
         keys = lp.moment_keys(count, rounding, state.mu)
         new_state = ScaleByKronState(
@@ -317,8 +345,29 @@ def scale_by_kron(
         )
         return pytree.tree_unflatten(outs, spec), new_state
 
+    def owned_update(grads, state, at, beta1, leaf):
+        # Each leaf at its owner, on its whole grad (one exchange each way): m ← β₁·m + (1-β₁)·g
+        # there, then the refit and the preconditioned direction; momentum and factors stay there.
+        spec = pytree.tree_structure(grads)
+        gs, mus, q_leaves = spec.flatten_up_to(grads), spec.flatten_up_to(state.mu), spec.flatten_up_to(state.q)
+
+        def at_owner(n: int, g: Tensor, held: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+            (mu,) = ls.ema([held[0]], [g], beta1)
+            if g.numel() == 0:
+                return torch.zeros_like(g), [mu, *held[1:]]
+            d, qs = leaf(n, mu, None if momentum_into_precond_update else g, tuple(held[1:]))
+            return d.reshape(g.shape).to(g.dtype), [mu, *qs]
+
+        outs, new = at.run(at_owner, gs, [[m, *qs] for m, qs in zip(mus, q_leaves)])
+        unflat = lambda xs: pytree.tree_unflatten(xs, spec)  # noqa: E731
+        new_state = ScaleByKronState(
+            state.count + 1, state.key, unflat([n[0] for n in new]), unflat([tuple(n[1:]) for n in new])
+        )
+        return unflat(outs), new_state
+
     why = (
-        "PSGD-Kron keeps per-leaf Kronecker factors (one matrix or diagonal per dimension), not shaped like the params"
+        "PSGD-Kron keeps per-leaf Kronecker factors (one matrix or diagonal per dimension), not shaped like the params "
+        "(on float32/float64 DTensor params, with mu_dtype None: each leaf's update and state at its owner rank)"
     )
     return with_needs(Transform(init, update), Needs(flat=why))
 
@@ -393,8 +442,9 @@ def kron(
 
     Warning:
         A step runs per leaf (factors are d × d matrices), so `make_update` compiles it per
-        leaf, not on flat buffers; on DTensor leaves (FSDP2) every rank refits and
-        preconditions whole leaves. Memory: one d × d matrix per triangular dimension.
+        leaf, not on flat buffers; on DTensor leaves (FSDP2, HSDP, TP) each leaf at its owner
+        rank (see `scale_by_kron`). Memory: one d × d matrix per triangular dimension, held
+        by that rank alone.
 
     Examples:
         >>> import torch, purestep.core as ps

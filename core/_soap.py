@@ -34,6 +34,7 @@ from ._base import (
     zero_count,
 )
 from ._cond import as_is, cond, fresh, plain_branch
+from .engine import owners
 from .engine.needs import Needs, with_needs
 
 
@@ -178,9 +179,20 @@ def scale_by_soap(
             return [0] * len(shape)
         return [d if d <= max_precond_dim else 0 for d in shape]
 
+    owner_path = mu_dtype is None and nu_dtype is None  # moments kept whole at a leaf's owner
+
     def init(params: Params) -> SOAPState:
-        leaves = pytree.tree_leaves(params)
+        leaves, spec = pytree.tree_flatten(params)
         wide = lambda p: torch.promote_types(p.dtype, torch.float32)  # noqa: E731
+        if owner_path and owners.takes(leaves):  # each leaf's state at the rank that runs its math
+            at = owners.of(leaves)
+            assert at is not None
+            held = [at.zeros(i, tuple(p.shape), wide(p)) for i, p in enumerate(leaves)]
+            factors = [tuple(at.zeros(i, (d, d), wide(p)) for d in factor_dims(p)) for i, p in enumerate(leaves)]
+            bases = [tuple(f.clone() for f in fs) for fs in factors]
+            unflat = lambda xs: pytree.tree_unflatten(xs, spec)  # noqa: E731
+            nus = [m.clone() for m in held]
+            return SOAPState(zero_count(at.device), unflat(held), unflat(nus), unflat(factors), unflat(bases))
         mats = lambda p: tuple(torch.zeros((d, d), dtype=wide(p), device=p.device) for d in factor_dims(p))  # noqa: E731
         zeros = lambda p: torch.zeros(p.shape, dtype=wide(p), device=p.device)  # noqa: E731
         moments = lambda d: pytree.tree_map(zeros, params) if d is None else lp.init_moments(params, d)  # noqa: E731
@@ -201,25 +213,10 @@ def scale_by_soap(
         first = count == 0
         refresh = (count > 0) & (count % precondition_frequency == 0)
         out_ = as_is if plain_branch(first) else fresh  # cond outputs are copies; plain branches' need not be
-        outs, mus, nus, ggs, qs = [], [], [], [], []
-        # The moments in the compute dtype (float32, or float64 for float64 params), whatever they are stored in.
-        gs, wide, mu_in = lp.load_moments(grads, state.mu, params)
-        nu_in = lp.load_moments(grads, state.nu, second=True)[2]
-        spec = pytree.tree_structure(grads)
-        pairs = zip(
-            gs,
-            wide,
-            mu_in,
-            nu_in,
-            spec.flatten_up_to(state.gg),  # a tuple per leaf (the params' own tuples are not leaves)
-            spec.flatten_up_to(state.q),
-        )
-        for g, g_wide, mu, nu, gg, q in pairs:
-            shape = shape_of(g)
-            cd = torch.promote_types(g.dtype, torch.float32)  # the factors' dtype too
-            gw = g_wide.to(cd).reshape(shape)
-            mu_, nu_ = mu.to(cd).reshape(shape), nu.to(cd).reshape(shape)
 
+        def leaf(gw: Tensor, mu_: Tensor, nu_: Tensor, gg: Any, q: Any) -> tuple:
+            """One leaf's step on whole tensors (in its merged shape, the compute dtype):
+            (direction, mu, nu, factors, bases)."""
             have = [f.numel() > 0 for f in gg]  # static: which dimensions are preconditioned
             full = lambda xs: _spread(xs, have)  # noqa: E731
 
@@ -258,19 +255,76 @@ def scale_by_soap(
             operands = (gw, mu_, nu_, *_present(gg, have), *_present(q, have), beta1, beta2, beta_s, bc, refresh)
             out = cond(first, set_up, step, operands)
             found_gg, found_q = iter(out[3 : 3 + k]), iter(out[3 + k : 3 + 2 * k])
-            ggs.append(tuple(next(found_gg) if h else f for f, h in zip(gg, have)))
-            qs.append(tuple(next(found_q) if h else f for f, h in zip(q, have)))
-            outs.append(out[0].reshape(g.shape).to(g.dtype))
-            mus.append(out[1].reshape(mu.shape))
-            nus.append(out[2].reshape(nu.shape))
+            new_gg = tuple(next(found_gg) if h else f for f, h in zip(gg, have))
+            new_q = tuple(next(found_q) if h else f for f, h in zip(q, have))
+            return out[0], out[1], out[2], new_gg, new_q
+
+        spec = pytree.tree_structure(grads)
+        leaves = spec.flatten_up_to(grads)
+        if owner_path and owners.takes(leaves):
+            return owned_update(grads, state, leaf)
+        outs, mus, nus, ggs, qs = [], [], [], [], []
+        # The moments in the compute dtype (float32, or float64 for float64 params), whatever they are stored in.
+        gs, wide, mu_in = lp.load_moments(grads, state.mu, params)
+        nu_in = lp.load_moments(grads, state.nu, second=True)[2]
+        pairs = zip(
+            gs,
+            wide,
+            mu_in,
+            nu_in,
+            spec.flatten_up_to(state.gg),  # a tuple per leaf (the params' own tuples are not leaves)
+            spec.flatten_up_to(state.q),
+        )
+        for g, g_wide, mu, nu, gg, q in pairs:
+            shape = shape_of(g)
+            cd = torch.promote_types(g.dtype, torch.float32)  # the factors' dtype too
+            gw = g_wide.to(cd).reshape(shape)
+            direction, mu_, nu_, new_gg, new_q = leaf(gw, mu.to(cd).reshape(shape), nu.to(cd).reshape(shape), gg, q)
+            ggs.append(new_gg)
+            qs.append(new_q)
+            outs.append(direction.reshape(g.shape).to(g.dtype))
+            mus.append(mu_.reshape(mu.shape))
+            nus.append(nu_.reshape(nu.shape))
         unflat = lambda xs: pytree.tree_unflatten(xs, spec)  # noqa: E731
-        keys = lp.moment_keys(count, rounding, state.mu, state.nu)
+        keys = lp.moment_keys(count, rounding, state.mu)
         mu_out = lp.store_moments(mus, state.mu, keys)
         nu_out = lp.store_moments(nus, state.nu, keys, second=True)
         return unflat(outs), SOAPState(count + 1, mu_out, nu_out, unflat(ggs), unflat(qs))
 
+    def owned_update(grads, state, leaf):
+        # DTensor params: each leaf's step at its owner, on its whole grad (one exchange each
+        # way); its moments, factors and bases live there (`engine.owners`).
+        spec = pytree.tree_structure(grads)
+        gs = spec.flatten_up_to(grads)
+        at = owners.of(gs)
+        assert at is not None
+        mus, nus = spec.flatten_up_to(state.mu), spec.flatten_up_to(state.nu)
+        ggs, qs = spec.flatten_up_to(state.gg), spec.flatten_up_to(state.q)
+        states = [[m, n, *gg, *q] for m, n, gg, q in zip(mus, nus, ggs, qs)]
+        cd = [torch.promote_types(g.dtype, torch.float32) for g in gs]
+
+        def at_owner(i: int, g: Tensor, held: list[Tensor]) -> tuple[Tensor, list[Tensor]]:
+            shape, k = shape_of(g), len(ggs[i])
+            mu_, nu_, gg, q = held[0], held[1], tuple(held[2 : 2 + k]), tuple(held[2 + k :])
+            d, mu_, nu_, gg, q = leaf(g.reshape(shape), mu_.reshape(shape), nu_.reshape(shape), gg, q)
+            return d.reshape(g.shape), [mu_.reshape(g.shape), nu_.reshape(g.shape), *gg, *q]
+
+        outs, new = at.run(at_owner, [g.to(c) for g, c in zip(gs, cd)], states)
+        unflat = lambda xs: pytree.tree_unflatten(xs, spec)  # noqa: E731
+        k = [len(gg) for gg in ggs]
+        return unflat([o.to(g.dtype) for o, g in zip(outs, gs)]), SOAPState(
+            state.count + 1,
+            unflat([n[0] for n in new]),
+            unflat([n[1] for n in new]),
+            unflat([tuple(n[2 : 2 + j]) for n, j in zip(new, k)]),
+            unflat([tuple(n[2 + j :]) for n, j in zip(new, k)]),
+        )
+
     # Rotations and Gram matrices over whole leaves, kept per leaf: not shaped like the params.
-    why = "SOAP keeps per-leaf preconditioners (factor matrices and eigenbases), not shaped like the params"
+    why = (
+        "SOAP keeps per-leaf preconditioners (factor matrices and eigenbases), not shaped like the params "
+        "(on DTensor params, with mu_dtype and nu_dtype None: each leaf's step and state at its owner rank)"
+    )
     return with_needs(Transform(init, update), Needs(flat=why))
 
 
@@ -324,8 +378,11 @@ def soap(
 
     Warning:
         A step runs per leaf (factors are d × d matrices, not shaped like the params), so
-        `make_update` compiles it per leaf, not on flat buffers; under FSDP2 it runs on the
-        whole DTensor leaves. Memory: two d × d matrices per preconditioned dimension.
+        `make_update` compiles it per leaf, not on flat buffers. On DTensor params (FSDP2,
+        HSDP, TP) with `mu_dtype=nu_dtype=None`, each leaf's step runs at one rank, its owner,
+        where its moments, factors and bases live (`engine/owners.py`: the eigen work and the
+        memory split over the ranks); with stored dtypes set, every rank runs whole DTensor
+        leaves. Memory: two d × d matrices per preconditioned dimension.
 
     Examples:
         >>> import torch, purestep.core as ps

@@ -13,6 +13,7 @@ from .engine import ops as lay
 from . import _foreach as ls
 from . import _tree as tr
 from ._base import (
+    schedule_clock,
     check_bool,
     EmptyState,
     Params,
@@ -32,6 +33,7 @@ from ._combine import identity, masked
 from .engine.needs import Needs, Rule, with_needs
 
 
+@schedule_clock
 class AddDecayedWeightsState(NamedTuple):
     """State of `add_decayed_weights` with a scheduled weight decay."""
 

@@ -164,7 +164,7 @@ SCHEDULE_CHECKS: dict[str, dict[str, Any]] = {
 # Public names that are not transforms or schedules (types, states, tree utilities).
 NOT_TRANSFORMS = {
     "Transform", "with_in_place", "Needs", "Rule", "with_needs", "needs_of", "once", "EmptyState", "Schedule",
-    "apply_updates", "apply_updates_", "tree_get", "tree_set", "step_count", "skipped_updates", "tree_map", "tree_leaves",
+    "apply_updates", "apply_updates_", "tree_get", "tree_set", "step_count", "skipped_updates", "takes_parts", "tree_map", "tree_leaves",
     "tree_flatten", "tree_map_with_path",
     "tree_flatten_with_path", "tree_unflatten", "tree_paths", "tree_zeros_like",
     "tree_global_norm", "tree_cast", "state_bytes", "set_hyperparam", "get_hyperparams",

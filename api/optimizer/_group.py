@@ -146,19 +146,10 @@ class Group:
         self.reset_cohorts()
 
     def _takes_parts(self) -> bool:
-        """Whether the transform's `init` takes a part of the group's params (one param, as a
-        meta tensor: nothing allocated), asked once."""
+        """Whether the transform takes a part of the group's params (`ps.takes_parts`: read
+        from its declarations), asked once."""
         if "_parts" not in self.__dict__:
-            self._parts = True
-            if len(self.names) > 1:
-                first = self.names[0]
-                try:
-                    with torch.no_grad():
-                        self.transform.init({first: torch.empty_like(self.tree[first], device="meta")})
-                except (ValueError, TypeError, KeyError):  # a tree of the whole group's structure
-                    self._parts = False
-                except (RuntimeError, NotImplementedError):  # math the meta device lacks: not structure
-                    pass
+            self._parts = len(self.names) <= 1 or ps.takes_parts(self.transform, self.tree)
         return self._parts
 
     # ------------------------------------------------------------------ cohorts

@@ -33,9 +33,6 @@ BUFFER_NAMES = {  # (state class, field) -> torch.optim's name for that buffer
     (ps.ScaleByAdemamixState, "m2"): "exp_avg_slow",
     (ps.ScaleByAdemamixState, "nu"): "exp_avg_sq",
 }
-# States whose `count` is a schedule's step: the group's clock, as torch's lr_scheduler
-# steps a group (every step of the group advances it), not a param's own step count.
-CLOCK_STATES = (ps.InjectHyperparamsState, ps.ScaleByLrState, ps.AddDecayedWeightsState, ps.AdamcState)
 # torch.optim group keys that choose an implementation, not the math: kept, never checked.
 IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
 STRUCTURE_KEYS = ("params", "param_names")
@@ -241,6 +238,7 @@ def classify(state: Any, names: list[str]) -> list[Leaf]:
     raw, _ = pytree.tree_flatten_with_path(state)
     paths = [p for p, _ in ps.tree_flatten_with_path(state)[0]]
     name_set = set(names)
+    clocks = {id(c) for c in ps.schedule_clocks(state)}
     out: list[Leaf] = []
     by_path: dict[int, str] = {}
     for (keys, leaf), path in zip(raw, paths):
@@ -268,10 +266,9 @@ def classify(state: Any, names: list[str]) -> list[Leaf]:
             out.append(Leaf(path, "buffer", param, key))
             by_path[len(out) - 1] = head + positions
         elif isinstance(last, pytree.GetAttrKey) and last.name == "count":
-            owner = state
-            for k in keys[:-1]:
-                owner = _child(owner, k)
-            out.append(Leaf(path, "clock" if isinstance(owner, CLOCK_STATES) else "count"))
+            # A schedule's step is the group's clock, as torch's lr_scheduler steps a group
+            # (every step of the group advances it), not a param's own step count.
+            out.append(Leaf(path, "clock" if id(leaf) in clocks else "count"))
         else:
             out.append(Leaf(path, "other"))
     seen: dict[tuple[str, str], int] = {}

@@ -54,7 +54,20 @@ def local_tree(tree: Any) -> Any:
 
 def full_tree(tree: Any) -> Any:
     """Every DTensor leaf gathered into a whole plain tensor (a collective: call on every rank)."""
-    return pytree.tree_map(lambda t: t.full_tensor() if is_dtensor(t) else t, tree)
+    return pytree.tree_map(lambda t: _full(t) if is_dtensor(t) else t, tree)
+
+
+def _full(t: Any) -> Tensor:
+    """A DTensor's whole tensor on every rank; one on a one-rank mesh (state at its owner,
+    `engine.owners`) is broadcast from that rank (the others hold none of it)."""
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if t.device_mesh.size() != 1 or world == 1:
+        return t.full_tensor()
+    owner = int(t.device_mesh.mesh.flatten()[0])
+    mine = t._local_tensor
+    whole = mine.clone() if owner == torch.distributed.get_rank() else mine.new_empty(t.shape)
+    torch.distributed.broadcast(whole, src=owner)
+    return whole
 
 
 def replicated_like(t: Tensor, x: Any) -> Any:

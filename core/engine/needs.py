@@ -184,22 +184,50 @@ def contains(transform: Any, factory: Callable, params: Any) -> bool:
     name = getattr(factory, "__name__", None)
     if not callable(factory) or name is None:
         raise ValueError(f"factory must be a function that makes transforms, got {type(factory).__name__}")
-    meta = pytree.tree_map(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta"), params)
+    return any(_factory(t) == name for t, _ in _walk(transform, _meta(params)))
 
-    def walk(t: Any, tree: Any) -> bool:
-        if _factory(t) == name:
-            return True
+
+def takes_parts(transform: Any, params: Any) -> bool:
+    """Whether `transform` can be handed a part of `params` (some of its leaves) in place of
+    the whole tree: no declared rule of it or its parts reads a tree of the params' structure
+    (a mask, labels, batch dims given as a tree; functions and constants read any tree).
+    Read from the declarations on meta tensors, as `contains`; a transform that declares
+    nothing may look at anything, so it does not.
+
+    Examples:
+        >>> import torch, purestep.core as ps
+        >>> params = {"w": torch.zeros(2, 2), "b": torch.zeros(2)}
+        >>> ps.takes_parts(ps.adamw(1e-3), params)
+        True
+        >>> ps.takes_parts(ps.masked(ps.adamw(1e-3), {"w": True, "b": False}), params)
+        False
+    """
+    for t, _ in _walk(transform, _meta(params)):
         needs = needs_of(t)
-        if needs is None or needs.parts is None:
+        if needs is None:
             return False
-        pairs = tr.tree_flatten_with_path(tree)[0]
-        for inner, keep in needs.parts(tree):
-            sub = tree if keep is None else {p: x for (p, x), k in zip(pairs, keep) if k}
-            if walk(inner, sub):
-                return True
-        return False
+        if any(_is_tree(rule.source) for rule in needs.rules):
+            return False
+    return True
 
-    return walk(transform, meta)
+
+def _is_tree(source: Any) -> bool:
+    return isinstance(source, (dict, list, tuple))
+
+
+def _meta(params: Any) -> Any:
+    return pytree.tree_map(lambda x: torch.empty(x.shape, dtype=x.dtype, device="meta"), params)
+
+
+def _walk(t: Any, tree: Any) -> Any:
+    """`(transform, the tree it sees)` for `t` and every part it declares, depth first."""
+    yield t, tree
+    needs = needs_of(t)
+    if needs is None or needs.parts is None:
+        return
+    pairs = tr.tree_flatten_with_path(tree)[0]
+    for inner, keep in needs.parts(tree):
+        yield from _walk(inner, tree if keep is None else {p: x for (p, x), k in zip(pairs, keep) if k})
 
 
 @dataclasses.dataclass

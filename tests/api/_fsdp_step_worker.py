@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -41,8 +42,10 @@ CASES = {
         lr=0.02, adamw_lr=0.01, ns_dtype=torch.float32, split=lambda path, x: (2, 3) if x.shape[0] == 5 else None)),
     "normuon_batch_dims": lambda: ps.apply_if_finite(ps.normuon_adamw(
         lr=0.02, adamw_lr=0.01, ns_dtype=torch.float32, batch_dims=lambda path, x: int(x.dim() == 3))),
-    # Kronecker factors per whole leaf: every rank refits and preconditions whole DTensors
+    # Per-leaf factors: each leaf's momentum and factors at its owner, which refits and preconditions
     "kron": lambda: ps.apply_if_finite(ps.kron(0.02, weight_decay=0.1, update_prob=0.5)),
+    # SOAP's moments, factors and bases at each leaf's owner: eigh at step 0, a refresh at step 3
+    "soap": lambda: ps.apply_if_finite(ps.soap(0.02, weight_decay=0.1, precondition_frequency=3)),
     # QK-clip's heads on FSDP2's row blocks (5 heads of 1 row: uneven blocks), each rank its rows' factors.
     "qk_clip_rows": lambda: ps.apply_if_finite(ps.chain(ps.adamw(0.02), ps.qk_clip(
         5.0, {"attn": ps.QKHeads(q="0.weight", k="2.weight", heads=5)}))),
@@ -52,7 +55,7 @@ CASES = {
          "none": ps.chain(ps.clip_by_global_norm(1.0), ps.sgd(0.1))},
         lambda p: {k: "a" for k in p})),
 }
-WHOLE = ("kron",)  # cases that run on whole DTensors (the per-leaf DTensor path), not this rank's blocks
+WHOLE = ("kron", "soap")  # the per-leaf DTensor path: each leaf's math at its owner (engine.owners)
 COMPILED = ("adamw+clip+skip", "muon_adamw", "normuon_adamw", "prodigy", "normuon_batch_dims")  # compile costs seconds per case
 
 
@@ -213,13 +216,48 @@ def run(name: str, compile: bool, flat: bool = True, mesh=None, over_replicas: b
             raise AssertionError(f"{name}: {mine} state bytes on this rank, one process holds {whole_state_bytes}")
     if mesh is not None:  # HSDP: the replicas hold bitwise the same params (and state, unless sharded over them)
         group = mesh.get_group("replicate")
-        own = [] if over_replicas else [(f"state {i}", x) for i, x in enumerate(ps.tree_leaves(state))]
+        own = [] if over_replicas else [(f"state {i}", x) for i, x in enumerate(ps.tree_leaves(state))
+                                        if not (hasattr(x, "device_mesh") and x.device_mesh.size() == 1)]  # at owners
         for k, x in [*params.items(), *own]:
             mine = x.to_local() if hasattr(x, "to_local") else x
             theirs = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
             dist.all_gather(theirs, mine.contiguous(), group=group)
             if not all(torch.equal(t, theirs[0]) for t in theirs):
                 raise AssertionError(f"{name} compile={compile}: the replicas differ in {k}")
+    if name in WHOLE:  # each leaf's state held whole by one rank (its owner), one process's there
+        held, placed = 0, 0
+        for i, (x, want) in enumerate(zip(ps.tree_leaves(state), ps.tree_leaves(ref_state))):
+            if not hasattr(x, "to_local") or x.device_mesh.size() != 1 or not want.numel():
+                continue
+            placed += 1
+            mine = x.to_local()
+            if mine.numel():
+                held += 1
+                if not torch.allclose(mine, want, rtol=1e-4, atol=1e-5):
+                    raise AssertionError(f"{name}: state leaf {i} at its owner is not one process's")
+        counts = torch.tensor([held, ps.state_bytes(state)])
+        dist.all_reduce(counts)
+        if placed == 0 or int(counts[0]) != placed:
+            raise AssertionError(f"{name}: {int(counts[0])} owners hold the {placed} per-leaf state tensors")
+        whole = ps.state_bytes(ref_state) + 64 * dist.get_world_size()  # the counters on every rank
+        if not int(counts[1]) <= whole:
+            raise AssertionError(f"{name}: the ranks hold {int(counts[1])} state bytes, one process {whole}")
+    if name in WHOLE and mesh is None:  # a checkpoint holds the whole state; it resumes here and in one process
+        from purestep.api.checkpoint import load_checkpoint, load_distributed, save_checkpoint
+
+        where = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(where)
+        path = save_checkpoint(f"{where[0]}/ck", params=params, opt_state=state, step=4, distributed=True)
+        back = load_distributed(path, params=params, opt_state=opt.init(params)).opt_state
+        for i, (x, y) in enumerate(zip(ps.tree_leaves(back), ps.tree_leaves(state))):
+            if not torch.equal(x.to_local() if hasattr(x, "to_local") else x, y.to_local() if hasattr(y, "to_local") else y):
+                raise AssertionError(f"{name}: state leaf {i} resumed on the same ranks differs")
+        if dist.get_rank() == 0:
+            alone = load_checkpoint(path, opt_state_like=opt.init(ref_params)).opt_state
+            for i, (x, want) in enumerate(zip(ps.tree_leaves(alone), ps.tree_leaves(ref_state))):
+                if not torch.allclose(x, want, rtol=1e-4, atol=1e-5):
+                    raise AssertionError(f"{name}: state leaf {i} resumed in one process is not one process's")
+        dist.barrier()
     skipped = int(ps.tree_get(state, "total_notfinite"))
     assert skipped == 1, f"{name}: {skipped} skipped steps, expected the NaN step only"
     sharded = flat and name not in WHOLE
@@ -232,7 +270,7 @@ def run(name: str, compile: bool, flat: bool = True, mesh=None, over_replicas: b
     return worst
 
 
-HSDP = ("adamw+clip+skip", "muon_adamw", "normuon_adamw", "lamb", "prodigy")
+HSDP = ("adamw+clip+skip", "muon_adamw", "normuon_adamw", "lamb", "prodigy", "soap")
 HSDP_COMPILED = ("adamw+clip+skip", "muon_adamw")
 OVER_REPLICAS = ("adamw+clip+skip", "muon_adamw", "normuon_adamw", "muon_split")
 
@@ -283,7 +321,7 @@ class MLP(torch.nn.Module):
         return self.head(torch.tanh(self.down(torch.tanh(self.up(x)))))
 
 
-TP_CASES = ("adamw+clip+skip", "muon_adamw", "normuon_adamw", "lamb", "qk_clip", "kron")
+TP_CASES = ("adamw+clip+skip", "muon_adamw", "normuon_adamw", "lamb", "qk_clip", "kron", "soap")
 TP_COMPILED = ("adamw+clip+skip", "muon_adamw", "normuon_adamw")
 # QK-clip's head rows on TP's colwise (Shard(0)) and rowwise (Shard(1)) weights, on whole DTensors.
 TP_ONLY = {"qk_clip": lambda: ps.chain(ps.adamw(0.02), ps.qk_clip(5.0, {"attn": ps.QKHeads(q="up.weight", k="down.weight", heads=2)}))}
@@ -321,6 +359,9 @@ def run_tp(name: str, layout: str, compile: bool = False) -> tuple[float, str]:
         ((net(x) - y) ** 2).mean().backward()
         grads = {k: p.grad for k, p in params.items()}
         ref_grads = torch.func.grad(lambda p: ((torch.func.functional_call(ref, p, (x,)) - y) ** 2).mean())(ref_params)
+        if name == "soap":  # the same grads (TP's partial sums differ by float noise, which rotates
+            # the null space of SOAP's rank-deficient first factors: eigh's basis there is arbitrary)
+            ref_grads = {k: (g.full_tensor() if hasattr(g, "full_tensor") else g).clone() for k, g in grads.items()}
         inputs = {"max_logits": {"attn": torch.tensor([8.0, 3.0])}} if name == "qk_clip" else {}
         metrics = update(params, grads, state, **inputs)[-1]
         ref_params, ref_state = pure(ref_params, ref_grads, ref_state, **inputs)

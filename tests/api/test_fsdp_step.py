@@ -34,7 +34,7 @@ def test_sharded_update_on_two_fsdp2_ranks_equals_one_process():
         ["prodigy", "compile=False"], ["prodigy", "compile=True"], ["mars", "compile=False"],
         ["adopt/laprop/adamc", "compile=False"], ["muon_batch_dims", "compile=False"], ["muon_split", "compile=False"],
         ["normuon_batch_dims", "compile=False"], ["normuon_batch_dims", "compile=True"],
-        ["kron", "compile=False"], ["qk_clip_rows", "compile=False"], ["empty_branch", "compile=False"], ["per-leaf-DTensor", "compile=False"],
+        ["kron", "compile=False"], ["soap", "compile=False"], ["qk_clip_rows", "compile=False"], ["empty_branch", "compile=False"], ["per-leaf-DTensor", "compile=False"],
         ["payloads", "checked:"],
     ], out.stdout
 
@@ -53,6 +53,7 @@ def test_sharded_update_on_an_hsdp_mesh_of_four_ranks_equals_one_process_and_kee
         ["adamw+clip+skip", "compile=False"], ["adamw+clip+skip", "compile=True"],
         ["muon_adamw", "compile=False"], ["muon_adamw", "compile=True"],
         ["normuon_adamw", "compile=False"], ["lamb", "compile=False"], ["prodigy", "compile=False"],
+        ["soap", "compile=False"],
     ], out.stdout
     # The state sharded across the replicas (shard_state_over_replicas=True): each rank holds
     # 1/4 of every state leaf (ps.state_bytes), the state's full tensors are one process's,
@@ -71,12 +72,12 @@ def test_sharded_update_on_an_hsdp_mesh_of_four_ranks_equals_one_process_and_kee
     # reductions run on each rank's blocks (the sharded path: weights count each block once),
     # Muon's matrices assembled at their owners from row x column blocks, NorMuon's per-row
     # statistics summed over a row's column blocks (ops.row_sums, one collective), QK-clip's
-    # factors for the rows each block holds (ops.held_rows); Kron's factors on whole DTensors.
+    # factors for the rows each block holds (ops.held_rows); Kron's and SOAP's per-leaf math and state at each leaf's owner.
     lines = [line.split() for line in out.stdout.splitlines() if line.startswith(("ok fsdp+tp ", "ok tp "))]
     want = [
         (layout, name, f"compile={c}")
         for layout in ("fsdp+tp", "tp")
-        for name in ("adamw+clip+skip", "muon_adamw", "normuon_adamw", "lamb", "qk_clip", "kron")
+        for name in ("adamw+clip+skip", "muon_adamw", "normuon_adamw", "lamb", "qk_clip", "kron", "soap")
         for c in ((False, True) if name in ("adamw+clip+skip", "muon_adamw", "normuon_adamw") else (False,))
     ]
     assert [tuple(line[1:4]) for line in lines] == want, out.stdout

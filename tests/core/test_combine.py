@@ -409,3 +409,35 @@ def test_apply_if_finite_skips_the_same_way_in_place_and_keeps_the_folded_decay(
         clip = ps.chain(ps.clip_by_global_norm(1.0), ps.sgd(0.1))
         u, _ = clip.update({"w": torch.ones(3)}, clip.init({"w": torch.ones(3)}))
     torch.testing.assert_close(u["w"], torch.full((3,), -0.1 / 3**0.5))
+
+
+def test_takes_parts_reads_the_declared_rules_of_every_part():
+    params = {"w": torch.zeros(4, 3), "b": torch.zeros(3)}
+    by_dim = lambda p: {k: v.dim() > 1 for k, v in p.items()}  # noqa: E731
+    assert ps.takes_parts(ps.adamw(1e-3), params)
+    assert ps.takes_parts(ps.chain(ps.clip_by_global_norm(1.0), ps.masked(ps.adamw(1e-3), by_dim)), params)
+    assert not ps.takes_parts(ps.masked(ps.adamw(1e-3), {"w": True, "b": False}), params)  # a tree of these params
+    assert not ps.takes_parts(ps.chain(ps.clip_by_global_norm(1.0), ps.partition(
+        {"a": ps.sgd(0.1), "b": ps.adamw(1e-3)}, {"w": "a", "b": "b"})), params)
+    assert not ps.takes_parts(ps.muon(batch_dims={"w": 0, "b": 0}), params)
+    undeclared = ps.Transform(lambda p: (), lambda g, s, p=None, **e: (g, s))
+    assert not ps.takes_parts(undeclared, params)  # it may look at anything
+    # what takes parts does: its init runs on one param alone
+    ps.chain(ps.clip_by_global_norm(1.0), ps.masked(ps.adamw(1e-3), by_dim)).init({"w": params["w"]})
+
+
+def test_schedule_clocks_finds_every_declared_clock_outermost_first():
+    params = {"w": torch.zeros(2)}
+    sched = ps.cosine_schedule(1e-3, 10)
+    assert len(ps.schedule_clocks(ps.adamw(sched).init(params))) == 1  # scale_by_lr's, with a scheduled lr
+    assert ps.schedule_clocks(ps.adamw(1e-3).init(params)) == []  # a constant lr keeps no clock
+    state = ps.inject_hyperparams(ps.adamw)(lr=sched).init(params)
+    clocks = ps.schedule_clocks(state)
+    assert clocks[0] is state.count  # the outermost first, the tensor itself (set in place)
+    opt = ps.chain(ps.inject_hyperparams(ps.adamw)(lr=sched), ps.add_decayed_weights(sched))
+    s = opt.init(params)
+    assert [c is x for c, x in zip(ps.schedule_clocks(s), (s[0].count, s[1].count))] == [True, True]
+    for c in ps.schedule_clocks(s):
+        c.fill_(5)
+    _, s = opt.update({"w": torch.ones(2)}, s, params)
+    assert [int(c) for c in ps.schedule_clocks(s)] == [6, 6]

@@ -133,8 +133,7 @@ def trace(
     check_hyperparam("decay", decay)
     check_nonnegative("decay", decay)
     check_nonnegative("dampening", dampening)
-    lp.check_state_dtype("accumulator_dtype", accumulator_dtype)
-    lp.check_rounding(rounding)
+    lp.check_stored("accumulator_dtype", accumulator_dtype, rounding)
 
     def init(params: Params) -> TraceState:
         leaves = pytree.tree_leaves(params)
@@ -312,8 +311,7 @@ def scale_by_lion(
     """Lion's sign update, `sign(β₁·m + (1-β₁)·g)`; see `lion` for the rule, `adam` for
     `mu_dtype` and `rounding`."""
     check_betas((b1, b2), "betas")
-    lp.check_state_dtype("mu_dtype", mu_dtype)
-    lp.check_rounding(rounding)
+    lp.check_stored("mu_dtype", mu_dtype, rounding)
 
     def init(params: Params) -> ScaleByLionState:
         leaves = pytree.tree_leaves(params)

@@ -56,13 +56,14 @@ def sum_scalars(xs: list[Tensor]) -> Tensor:
     DTensor path: FSDP beside TP, TP beside plain params) add within each mesh and placement
     first, then each group's sum is reduced to its full value: one collective per group, not
     per leaf."""
-    owned = [x for x in xs if _at_one_rank(x)]
-    if owned:  # state at its owner's one-rank mesh (engine.owners): the owners' values, summed over every rank
-        xs = [x for x in xs if not _at_one_rank(x)]
+    from .engine.dtensor import at_owner, mesh_device  # (engine imports this module)
+
+    owned = [x for x in xs if at_owner(x)]
+    if owned:  # values of state at its owner (engine.owners): the owners' values, summed over every rank
+        xs = [x for x in xs if not at_owner(x)]
         held = [x for x in owned if x.device_mesh.get_coordinate() is not None]  # type: ignore[attr-defined]
-        device = owned[0]._local_tensor.device  # type: ignore[attr-defined]
         # A rank outside a mesh holds no value there (DTensor leaves its result unset): zero
-        total = torch.zeros((), dtype=owned[0].dtype, device=device)
+        total = torch.zeros((), dtype=owned[0].dtype, device=mesh_device(owned[0].device_mesh))  # type: ignore[attr-defined]
         for x in held:
             total = total + x._local_tensor.reshape(())  # type: ignore[attr-defined]
         torch.distributed.all_reduce(total)
@@ -83,11 +84,6 @@ def sum_scalars(xs: list[Tensor]) -> Tensor:
         total = functools.reduce(torch.add, group)
         parts.append(total.full_tensor() if key != ("plain",) else total)  # type: ignore[attr-defined]
     return torch.stack(parts).sum()
-
-
-def _at_one_rank(x: Any) -> bool:
-    mesh = getattr(x, "device_mesh", None)
-    return mesh is not None and mesh.size() == 1 and torch.distributed.get_world_size() > 1
 
 
 def _owned_inplace(xs: list[Tensor]) -> bool:

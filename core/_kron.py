@@ -256,8 +256,7 @@ def scale_by_kron(
     if precond_dtype is not None and precond_dtype not in (torch.float32, torch.float64):
         raise ValueError(f"precond_dtype must be torch.float32, torch.float64 or None, got {precond_dtype}")
     check_int("seed", seed, 0)
-    lp.check_state_dtype("mu_dtype", mu_dtype)
-    lp.check_rounding(rounding)
+    lp.check_stored("mu_dtype", mu_dtype, rounding)
     prob = update_probability() if update_prob is None else update_prob
 
     def dtype_of(p: Tensor) -> torch.dtype:
@@ -320,8 +319,9 @@ def scale_by_kron(
             return d * torch.clamp(1.1 / (d.square().mean().sqrt() + 1e-6), max=1.0), qs  # RMS at most 1.1
 
         spec = pytree.tree_structure(grads)
-        at = owned(spec.flatten_up_to(grads))
-        if at is not None:
+        if owners.holds(spec.flatten_up_to(state.mu)):  # the state init placed at the leaves' owners
+            at = owners.of(spec.flatten_up_to(grads))
+            assert at is not None, "Kron's state is at the leaves' owners, but these grads are laid out otherwise"
             return owned_update(grads, state, at, beta1, leaf)
         gs, wide, mus = lp.load_moments(grads, state.mu, params)
         q_leaves = spec.flatten_up_to(state.q)  # a tuple of factors per leaf (the params' own tuples are not leaves)

@@ -308,11 +308,16 @@ def check_rounding(rounding: Any) -> None:
         raise ValueError(f"rounding must be 'stochastic' or 'nearest', got {rounding!r}")
 
 
+def check_stored(name: str, dtype: Any, rounding: Any) -> None:
+    """The arguments of a state kept in a chosen dtype (`name`), and how it is rounded there."""
+    check_state_dtype(name, dtype)
+    check_rounding(rounding)
+
+
 def check_moments(mu_dtype: Any, nu_dtype: Any, rounding: Any) -> None:
     """The arguments of an optimizer keeping two moments: their dtypes and the rounding."""
     check_state_dtype("mu_dtype", mu_dtype)
-    check_state_dtype("nu_dtype", nu_dtype)
-    check_rounding(rounding)
+    check_stored("nu_dtype", nu_dtype, rounding)
 
 
 def _is_quantized(x: Any) -> bool:

@@ -217,8 +217,7 @@ def scale_by_muon(
     check_hyperparam("momentum", momentum)
     check_nonnegative("momentum", momentum)
     check_muon_args(ns_steps, ns_coefficients, ns_dtype, adjust_lr, eps)
-    lp.check_state_dtype("mu_dtype", mu_dtype)
-    lp.check_rounding(rounding)
+    lp.check_stored("mu_dtype", mu_dtype, rounding)
     coefficients, safety = _coefficient_schedule(ns_coefficients, ns_steps)
     if emulate_bf16 is not None and not isinstance(emulate_bf16, bool):
         raise ValueError(

@@ -113,8 +113,7 @@ def scale_by_normuon(
             f"adjust_lr must be 'match_rms_adamw' (the paper's RMS 0.2) or 'original' (the authors' "
             f"code: O's norm kept, then max(1, A/B)^0.5), got {adjust_lr!r}"
         )
-    lp.check_state_dtype("mu_dtype", mu_dtype)
-    lp.check_rounding(rounding)
+    lp.check_stored("mu_dtype", mu_dtype, rounding)
     coefficients, safety = _coefficient_schedule(ns_coefficients, ns_steps)
     if emulate_bf16 is not None and not isinstance(emulate_bf16, bool):
         raise ValueError(f"emulate_bf16 must be True, False or None, got {emulate_bf16!r}")

@@ -181,18 +181,23 @@ def scale_by_soap(
 
     owner_path = mu_dtype is None and nu_dtype is None  # moments kept whole at a leaf's owner
 
+    def owned_init(at: Any, leaves: list, spec: Any, wide: Any) -> SOAPState:
+        def moments() -> Any:
+            return pytree.tree_unflatten([at.zeros(i, tuple(p.shape), wide(p)) for i, p in enumerate(leaves)], spec)
+
+        def factors() -> Any:
+            per_leaf = [tuple(at.zeros(i, (d, d), wide(p)) for d in factor_dims(p)) for i, p in enumerate(leaves)]
+            return pytree.tree_unflatten(per_leaf, spec)
+
+        return SOAPState(zero_count(at.device), moments(), moments(), factors(), factors())
+
     def init(params: Params) -> SOAPState:
         leaves, spec = pytree.tree_flatten(params)
         wide = lambda p: torch.promote_types(p.dtype, torch.float32)  # noqa: E731
         if owner_path and owners.takes(leaves):  # each leaf's state at the rank that runs its math
             at = owners.of(leaves)
             assert at is not None
-            held = [at.zeros(i, tuple(p.shape), wide(p)) for i, p in enumerate(leaves)]
-            factors = [tuple(at.zeros(i, (d, d), wide(p)) for d in factor_dims(p)) for i, p in enumerate(leaves)]
-            bases = [tuple(f.clone() for f in fs) for fs in factors]
-            unflat = lambda xs: pytree.tree_unflatten(xs, spec)  # noqa: E731
-            nus = [m.clone() for m in held]
-            return SOAPState(zero_count(at.device), unflat(held), unflat(nus), unflat(factors), unflat(bases))
+            return owned_init(at, leaves, spec, wide)
         mats = lambda p: tuple(torch.zeros((d, d), dtype=wide(p), device=p.device) for d in factor_dims(p))  # noqa: E731
         zeros = lambda p: torch.zeros(p.shape, dtype=wide(p), device=p.device)  # noqa: E731
         moments = lambda d: pytree.tree_map(zeros, params) if d is None else lp.init_moments(params, d)  # noqa: E731
@@ -260,8 +265,7 @@ def scale_by_soap(
             return out[0], out[1], out[2], new_gg, new_q
 
         spec = pytree.tree_structure(grads)
-        leaves = spec.flatten_up_to(grads)
-        if owner_path and owners.takes(leaves):
+        if owners.holds(spec.flatten_up_to(state.mu)):  # the state init placed at the leaves' owners
             return owned_update(grads, state, leaf)
         outs, mus, nus, ggs, qs = [], [], [], [], []
         # The moments in the compute dtype (float32, or float64 for float64 params), whatever they are stored in.
@@ -297,7 +301,7 @@ def scale_by_soap(
         spec = pytree.tree_structure(grads)
         gs = spec.flatten_up_to(grads)
         at = owners.of(gs)
-        assert at is not None
+        assert at is not None, "SOAP's state is at the leaves' owners, but these grads are laid out otherwise"
         mus, nus = spec.flatten_up_to(state.mu), spec.flatten_up_to(state.nu)
         ggs, qs = spec.flatten_up_to(state.gg), spec.flatten_up_to(state.q)
         states = [[m, n, *gg, *q] for m, n, gg, q in zip(mus, nus, ggs, qs)]

@@ -10,6 +10,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 import purestep.core as ps
+from purestep.core.engine.dtensor import at_owner
 
 from . import _layout as L
 from ._torch_state import TorchState
@@ -142,6 +143,7 @@ class Group:
             and all(r.kind != "other" for r in roles)
             and not self.differentiable
             and self._takes_parts()
+            and not any(at_owner(x) for x in pytree.tree_leaves(self.state))  # state at a leaf's owner: one layout
         )
         self.reset_cohorts()
 

@@ -58,16 +58,41 @@ def full_tree(tree: Any) -> Any:
 
 
 def _full(t: Any) -> Tensor:
-    """A DTensor's whole tensor on every rank; one on a one-rank mesh (state at its owner,
-    `engine.owners`) is broadcast from that rank (the others hold none of it)."""
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    if t.device_mesh.size() != 1 or world == 1:
+    """A DTensor's whole tensor on every rank; state at its owner (`at_owner`) is broadcast
+    from that rank (the others hold none of it)."""
+    if not at_owner(t):
         return t.full_tensor()
-    owner = int(t.device_mesh.mesh.flatten()[0])
-    mine = t._local_tensor
-    whole = mine.clone() if owner == torch.distributed.get_rank() else mine.new_empty(t.shape)
+    owner = owner_rank(t)
+    if owner == torch.distributed.get_rank():
+        whole = t._local_tensor.clone(memory_format=torch.contiguous_format)
+    else:
+        whole = torch.empty(t.shape, dtype=t.dtype, device=mesh_device(t.device_mesh))
     torch.distributed.broadcast(whole, src=owner)
     return whole
+
+
+# The one-rank meshes `engine.owners` places a leaf's state on (one per rank, made by every rank):
+# a DTensor on one of these is state held whole by that rank alone.
+OWNER_MESHES: list[Any] = []
+
+
+def at_owner(x: Any) -> bool:
+    """Whether `x` is state at its owner (a DTensor on one of `engine.owners`' one-rank meshes)."""
+    mesh = getattr(x, "device_mesh", None)
+    return mesh is not None and any(mesh is m for m in OWNER_MESHES)
+
+
+def owner_rank(x: Any) -> int:
+    """The global rank holding `x` (`at_owner`)."""
+    return int(x.device_mesh.mesh.flatten()[0])
+
+
+def mesh_device(mesh: Any) -> torch.device:
+    """The device this rank's tensors of `mesh`'s device type live on (a rank outside the mesh
+    included: DTensor leaves its results there on the CPU)."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
 
 
 def replicated_like(t: Tensor, x: Any) -> Any:

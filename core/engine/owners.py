@@ -25,24 +25,35 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from .dtensor import is_dtensor, local
+from .dtensor import OWNER_MESHES, at_owner, is_dtensor, local
 from .mesh import placement
+from .placement import Declined
 
-_MESHES: dict[tuple[str, int], list[Any]] = {}  # one one-rank mesh per rank, made once per device type
+_MESHES: dict[str, list[Any]] = {}  # device type -> one one-rank mesh per rank (dtensor.OWNER_MESHES too)
+_LAYOUTS: dict[tuple, "Owners | None"] = {}  # by the leaves' shapes, placements and meshes' ranks
+_WORLD: list[Any] = [None]  # the default process group the caches were made under
+
+
+def _fresh() -> None:
+    """Forget meshes and layouts made under another default process group (re-initialized)."""
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    group = _get_default_group()
+    if _WORLD[0] is not group:
+        _WORLD[0] = group
+        _MESHES.clear()
+        _LAYOUTS.clear()
+        OWNER_MESHES.clear()
 
 
 def _rank_meshes(device_type: str) -> list[Any]:
     """A `DeviceMesh` of each rank alone, made by every rank in the same order (new groups)."""
-    world = torch.distributed.get_world_size()
-    key = (device_type, world)
-    if key not in _MESHES:
+    if device_type not in _MESHES:
         from torch.distributed.device_mesh import DeviceMesh
 
-        _MESHES[key] = [DeviceMesh(device_type, [r]) for r in range(world)]
-    return _MESHES[key]
-
-
-_LAYOUTS: dict[tuple, "Owners | None"] = {}  # by the leaves' shapes, placements and meshes
+        _MESHES[device_type] = [DeviceMesh(device_type, [r]) for r in range(torch.distributed.get_world_size())]
+        OWNER_MESHES.extend(_MESHES[device_type])
+    return _MESHES[device_type]
 
 
 def takes(leaves: list[Any]) -> bool:
@@ -51,20 +62,31 @@ def takes(leaves: list[Any]) -> bool:
 
 
 def of(leaves: list[Any]) -> "Owners | None":
-    """The `Owners` of leaves laid out as these (made once per layout: a collective, so every
-    rank asks at the same point), or None where the engine has no placement for them."""
+    """The `Owners` of leaves laid out as these (made once per layout: collectives, so every
+    rank asks at the same point), or None where the engine has no placement for them, or their
+    compute dtypes differ (one exchange carries one dtype)."""
+    _fresh()
     key = tuple(
-        (tuple(x.shape), tuple(x.placements), id(x.device_mesh)) if is_dtensor(x) else (tuple(x.shape), None)
+        (tuple(x.shape), x.dtype, tuple(x.placements), _mesh_key(x.device_mesh))
+        if is_dtensor(x)
+        else (tuple(x.shape), x.dtype)
         for x in leaves
     )
     if key not in _LAYOUTS:
-        from .placement import Declined
-
-        try:
-            _LAYOUTS[key] = Owners(list(leaves))
-        except Declined:
+        wide = {torch.promote_types(x.dtype, torch.float32) for x in leaves}
+        _LAYOUTS[key] = Owners(list(leaves)) if len(wide) == 1 else None
+        if _LAYOUTS[key] is not None and _LAYOUTS[key].layout is None:  # type: ignore[union-attr]
             _LAYOUTS[key] = None
     return _LAYOUTS[key]
+
+
+def holds(state_leaves: list[Any]) -> bool:
+    """Whether a state was placed at its leaves' owners (by `Owners.zeros`): its update runs there too."""
+    return any(at_owner(x) for x in state_leaves)
+
+
+def _mesh_key(mesh: Any) -> tuple:
+    return (mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), mesh.mesh_dim_names)
 
 
 class Owners:
@@ -73,7 +95,17 @@ class Owners:
     def __init__(self, params: list[Any]) -> None:
         self.shapes = [tuple(x.shape) for x in params]
         self.device = next(local(x).device for x in params if is_dtensor(x))
-        self.layout = placement(list(params))
+        # Every rank takes the layout or none does (a block one rank holds unevenly declines there).
+        try:
+            found: Any = placement(list(params))
+            why = found.declines({"map_matrices"}, False)  # leaves whose blocks do not tile them
+        except Declined as e:
+            found, why = None, str(e)
+        agreed = torch.tensor([0 if why is None else 1], device=self.device)
+        torch.distributed.all_reduce(agreed)
+        self.layout = found if int(agreed) == 0 else None
+        if self.layout is None:
+            return
         ran: list[int] = []
 
         def note(mats: list[Tensor], idx: list[int], extras: Any = None) -> list[Tensor]:
@@ -110,8 +142,9 @@ class Owners:
         if owner is None:
             return whole
         stride = torch.empty(shape, device="meta").stride()
+        here = whole.contiguous() if owner == self.me else torch.empty((0,), dtype=whole.dtype, device=self.device)
         return DTensor.from_local(
-            whole, self.meshes[owner], [Replicate()], shape=torch.Size(shape), stride=stride, run_check=False
+            here, self.meshes[owner], [Replicate()], shape=torch.Size(shape), stride=stride, run_check=False
         )
 
     def run(
@@ -129,6 +162,7 @@ class Owners:
                 out.append(result)
             return out
 
+        assert self.layout is not None, "Owners.run on a layout `of` declined"
         blocks = {i: local(x) for i, x in enumerate(xs)}
         results = self.layout._matrices(blocks, dict.fromkeys(blocks, 0), {}, compute)
         placed = [_like(results[i], x) for i, x in enumerate(xs)]

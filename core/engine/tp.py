@@ -145,7 +145,8 @@ class TPBlocks(Placement):
         result (copies too)."""
         results: dict[int, Tensor] = {}
         local = [i for i in sorted(blocks) if not self.sharded[i]]
-        local += [i for i in sorted(blocks) if self.sharded[i] and self._whole_matrices(i, lead[i])]
+        whole = [i for i in sorted(blocks) if self.sharded[i] and self._whole_matrices(i, lead[i])]
+        local += whole
         results.update((i, blocks[i]) for i in local if not blocks[i].numel())
         local = [i for i in local if blocks[i].numel()]
         if local:
@@ -154,7 +155,7 @@ class TPBlocks(Placement):
         if not units:
             return results
         boxes, dtype = self.boxes, blocks[units[0]].dtype
-        whole = [i for i in local if self.sharded[i]]  # each rank's own matrices: owners balance over them
+        # each rank's own whole matrices (from the shapes alone, as every rank computes them): owners balance over them
         load = tuple(sum(_batched_cost(boxes.of(i)[r][1], lead[i]) for i in whole) for r in range(self.world))
 
         def sent(i: int, r: int) -> int:

@@ -41,6 +41,7 @@ def main() -> None:
         torch.testing.assert_close(mine, g[rank * local : (rank + 1) * local] / world, rtol=1e-5, atol=1e-6)
     counts = torch.bincount(whole.router(x).softmax(-1).topk(2, dim=-1).indices.reshape(-1), minlength=4)
     print(f"rank {rank} ok, slots per expert {counts.tolist()}", flush=True)
+    dist.barrier()  # no rank leaves while another still talks to it (gloo aborts at exit otherwise)
     dist.destroy_process_group()
 
 

@@ -10,6 +10,7 @@ makes the next call plan and bind anew.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Any, Callable
 
@@ -86,7 +87,7 @@ class OwnTensors:
         return pack.summary
 
 
-class _FlatRunner:
+class _FlatRunner(abc.ABC):
     """Planning and binding shared by `FlatUpdate` and `FlatStep` (see the module docstring):
     the buffers stand for `leaves`' tensors (`OwnTensors` in one process)."""
 
@@ -109,9 +110,9 @@ class _FlatRunner:
         """What runs on these params, for `explain()` (once `plans` said yes)."""
         return self.leaves.describe(self.plan_for(params), params)
 
+    @abc.abstractmethod
     def _compile(self, specs: list[pytree.TreeSpec], device: torch.device) -> Callable:
         """The step over the buffers, compiled: each runner's own (an update's, a step's)."""
-        raise NotImplementedError
 
     def _bound(self) -> _Bound:
         """The binding, once the first call made it."""

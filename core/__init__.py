@@ -145,6 +145,7 @@ from ._tree import tree_cast as tree_cast
 from ._tree import tree_flatten_with_path as tree_flatten_with_path
 from ._tree import step_count as step_count
 from ._tree import state_bytes as state_bytes
+from ._tree import bytes_per_rank as bytes_per_rank
 from ._tree import tree_flatten as tree_flatten
 from ._tree import tree_get as tree_get
 from ._tree import tree_global_norm as tree_global_norm
@@ -186,6 +187,7 @@ __all__ = [
     "tree_global_norm",
     "tree_cast",
     "state_bytes",
+    "bytes_per_rank",
     # combinators
     "chain",
     "masked",

@@ -136,6 +136,58 @@ def state_bytes(tree: PyTree) -> int:
     return total
 
 
+def bytes_per_rank(tree: PyTree, world: int | None = None) -> list[int]:
+    """The bytes of tensor memory each rank holds for `tree`, by global rank, read from the
+    placements alone (no collective: it plans a run on torch's fake process group as well as
+    it counts a real one). A DTensor counts its block at every coordinate of its mesh
+    (DTensor's own chunking, `_StridedShard` included) and nothing on ranks outside the mesh
+    (state held at an owner counts there alone); a plain tensor counts on every rank; a
+    tensor that appears twice once.
+
+    Args:
+      tree: any tree of tensors (params, grads, an optimizer state).
+      world: the number of ranks (None: the default process group's size, 1 without one).
+
+    Returns:
+      A list of `world` ints; `ps.state_bytes(tree)` is this rank's entry.
+
+    Examples:
+        >>> import torch, purestep.core as ps
+        >>> ps.bytes_per_rank(ps.adamw(1e-3).init({"w": torch.zeros(4, 4)}), world=2)  # plain tensors: on every rank
+        [136, 136]
+    """
+    import itertools
+    import math
+
+    from . import _compat as compat
+
+    if world is None:
+        dist = torch.distributed
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    out = [0] * world
+    seen: set[int] = set()
+    blocks: dict[tuple, list[tuple[int, int]]] = {}  # a layout -> (global rank, local numel) per coordinate
+    for x in pytree.tree_leaves(tree):
+        if not isinstance(x, Tensor) or id(x) in seen:
+            continue
+        seen.add(id(x))
+        mesh = getattr(x, "device_mesh", None)
+        if mesh is None:
+            for r in range(world):
+                out[r] += x.numel() * x.element_size()
+            continue
+        ranks, placements = mesh.mesh, tuple(getattr(x, "placements"))
+        key = (tuple(x.shape), placements, tuple(ranks.shape), tuple(ranks.flatten().tolist()))
+        if key not in blocks:
+            blocks[key] = [
+                (int(ranks[c]), math.prod(compat.local_box(x.shape, ranks.shape, list(c), placements)[0]))
+                for c in itertools.product(*(range(n) for n in ranks.shape))
+            ]
+        for r, n in blocks[key]:
+            out[r] += n * x.element_size()
+    return out
+
+
 def tree_global_norm(tree: PyTree) -> Tensor:
     """The 2-norm of all leaves together, as one 0-d tensor (float32 at least)."""
     return global_norm(pytree.tree_leaves(tree))

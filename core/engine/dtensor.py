@@ -10,6 +10,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from . import cache
+
 
 _DTENSOR: list = []  # DTensor's class, looked up once (None without torch.distributed)
 
@@ -71,15 +73,11 @@ def _full(t: Any) -> Tensor:
     return whole
 
 
-# The one-rank meshes `engine.owners` places a leaf's state on (one per rank, made by every rank):
-# a DTensor on one of these is state held whole by that rank alone.
-OWNER_MESHES: list[Any] = []
-
-
 def at_owner(x: Any) -> bool:
-    """Whether `x` is state at its owner (a DTensor on one of `engine.owners`' one-rank meshes)."""
+    """Whether `x` is state at its owner: a DTensor on one of the one-rank meshes `engine.owners`
+    places a leaf's state on (`cache.owner_mesh`), held whole by that rank alone."""
     mesh = getattr(x, "device_mesh", None)
-    return mesh is not None and any(mesh is m for m in OWNER_MESHES)
+    return mesh is not None and cache.is_owner_mesh(mesh)
 
 
 def owner_rank(x: Any) -> int:

@@ -6,11 +6,12 @@ exactly as `ops.map_matrices` runs Muon's (owners balanced by cost, HSDP's repli
 them). A transform whose per-leaf state is only ever read by that math (SOAP's moments in
 the eigenbasis, its factors and bases; Kron's momentum and factors) keeps it there:
 
-- `of(params)`: their `Owners`, made once per layout (one exchange of the params' blocks,
-  with nothing computed, finds which rank runs each leaf; the ranks then share it);
+- `of(params)`: their `Owners`, made once per layout: which rank runs each leaf is computed
+  from the shapes alone (`Placement.leaf_owners`, the assignment owner-computes makes), with
+  no exchange and no group made;
 - `owners.zeros(i, shape, dtype)`: leaf `i`'s state tensor, a DTensor on the owner's own
-  one-rank mesh (`Replicate`): the owner holds the whole tensor, every other rank an empty
-  one, and a checkpoint saves it as the whole tensor it stands for (it resumes on any mesh,
+  one-rank mesh (`Replicate`; `cache.owner_mesh`, made without a process group): the owner
+  holds the whole tensor, every other rank an empty one, and a checkpoint saves it as the whole tensor it stands for (it resumes on any mesh,
   or in one process, where that state is a plain tensor). A leaf every rank computes (a
   replicated one) keeps plain tensors;
 - `owners.run(fn, xs, states)`: `fn(i, whole x, its states) -> (result, new states)` on each
@@ -25,35 +26,10 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from .dtensor import OWNER_MESHES, at_owner, is_dtensor, local
+from . import cache
+from .dtensor import at_owner, is_dtensor, local
 from .mesh import placement
 from .placement import Declined
-
-_MESHES: dict[str, list[Any]] = {}  # device type -> one one-rank mesh per rank (dtensor.OWNER_MESHES too)
-_LAYOUTS: dict[tuple, "Owners | None"] = {}  # by the leaves' shapes, placements and meshes' ranks
-_WORLD: list[Any] = [None]  # the default process group the caches were made under
-
-
-def _fresh() -> None:
-    """Forget meshes and layouts made under another default process group (re-initialized)."""
-    from torch.distributed.distributed_c10d import _get_default_group
-
-    group = _get_default_group()
-    if _WORLD[0] is not group:
-        _WORLD[0] = group
-        _MESHES.clear()
-        _LAYOUTS.clear()
-        OWNER_MESHES.clear()
-
-
-def _rank_meshes(device_type: str) -> list[Any]:
-    """A `DeviceMesh` of each rank alone, made by every rank in the same order (new groups)."""
-    if device_type not in _MESHES:
-        from torch.distributed.device_mesh import DeviceMesh
-
-        _MESHES[device_type] = [DeviceMesh(device_type, [r]) for r in range(torch.distributed.get_world_size())]
-        OWNER_MESHES.extend(_MESHES[device_type])
-    return _MESHES[device_type]
 
 
 def takes(leaves: list[Any]) -> bool:
@@ -62,31 +38,29 @@ def takes(leaves: list[Any]) -> bool:
 
 
 def of(leaves: list[Any]) -> "Owners | None":
-    """The `Owners` of leaves laid out as these (made once per layout: collectives, so every
-    rank asks at the same point), or None where the engine has no placement for them, or their
-    compute dtypes differ (one exchange carries one dtype)."""
-    _fresh()
+    """The `Owners` of leaves laid out as these (made once per layout; every rank asks at the
+    same point: the ranks agree in one all_reduce that every one of them takes the layout),
+    or None where the engine has no placement for them, or their compute dtypes differ (one
+    exchange carries one dtype)."""
     key = tuple(
-        (tuple(x.shape), x.dtype, tuple(x.placements), _mesh_key(x.device_mesh))
+        (tuple(x.shape), x.dtype, tuple(x.placements), cache.mesh_key(x.device_mesh))
         if is_dtensor(x)
         else (tuple(x.shape), x.dtype)
         for x in leaves
     )
-    if key not in _LAYOUTS:
-        wide = {torch.promote_types(x.dtype, torch.float32) for x in leaves}
-        _LAYOUTS[key] = Owners(list(leaves)) if len(wide) == 1 else None
-        if _LAYOUTS[key] is not None and _LAYOUTS[key].layout is None:  # type: ignore[union-attr]
-            _LAYOUTS[key] = None
-    return _LAYOUTS[key]
+
+    def make() -> "Owners | None":
+        if len({torch.promote_types(x.dtype, torch.float32) for x in leaves}) != 1:
+            return None
+        found = Owners(list(leaves))
+        return found if found.layout is not None else None
+
+    return cache.get("owners", key, make)
 
 
 def holds(state_leaves: list[Any]) -> bool:
     """Whether a state was placed at its leaves' owners (by `Owners.zeros`): its update runs there too."""
     return any(at_owner(x) for x in state_leaves)
-
-
-def _mesh_key(mesh: Any) -> tuple:
-    return (mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape), mesh.mesh_dim_names)
 
 
 class Owners:
@@ -106,25 +80,10 @@ class Owners:
         self.layout = found if int(agreed) == 0 else None
         if self.layout is None:
             return
-        ran: list[int] = []
-
-        def note(mats: list[Tensor], idx: list[int], extras: Any = None) -> list[Tensor]:
-            ran.extend(idx)
-            return mats
-
-        with torch.no_grad():
-            blocks = {i: local(x).detach() for i, x in enumerate(params)}
-            self.layout._matrices(blocks, dict.fromkeys(blocks, 0), {}, note)
-        everyone: list[Any] = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(everyone, sorted(set(ran)))
-        at: dict[int, list[int]] = {}
-        for r, leaves in enumerate(everyone):
-            for i in leaves:
-                at.setdefault(i, []).append(r)
-        # None: every rank runs it (a replicated leaf), its state plain as in one process
-        self.owner = [at[i][0] if len(at.get(i, ())) == 1 else None for i in range(len(params))]
-        self.me = torch.distributed.get_rank()
-        self.meshes = _rank_meshes(self.device.type)
+        # Who runs each leaf, from the shapes alone, as the layout's owner-computes assigns it
+        # (None: every rank runs it, a replicated leaf, its state plain as in one process).
+        self.owner = self.layout.leaf_owners()
+        self.me = self.layout.global_rank()
 
     def zeros(self, i: int, shape: tuple[int, ...], dtype: torch.dtype, fill: float = 0.0) -> Tensor:
         """Leaf `i`'s state tensor of `shape` (the whole tensor), filled with `fill`."""
@@ -143,9 +102,8 @@ class Owners:
             return whole
         stride = torch.empty(shape, device="meta").stride()
         here = whole.contiguous() if owner == self.me else torch.empty((0,), dtype=whole.dtype, device=self.device)
-        return DTensor.from_local(
-            here, self.meshes[owner], [Replicate()], shape=torch.Size(shape), stride=stride, run_check=False
-        )
+        mesh = cache.owner_mesh(self.device.type, owner)
+        return DTensor.from_local(here, mesh, [Replicate()], shape=torch.Size(shape), stride=stride, run_check=False)
 
     def run(
         self, fn: Callable[[int, Tensor, list[Tensor]], tuple[Tensor, list[Tensor]]], xs: list[Any], states: list

@@ -21,6 +21,8 @@ protocol, in full:
 - `map_matrices(spec, fn, xs, batch, extra)`: `fn` on whole matrices, owner-computes
   (each matrix gets an owner from the shapes alone, `assign`; its blocks travel there and
   its result's blocks back, `exchange`);
+- `leaf_owners()`: per leaf, the global rank that runs its whole-matrix math, computed
+  from the shapes (no exchange, no object gather);
 - `describe()`: what runs on this layout, for `explain()`.
 
 A placement is off (`active=False`) until the layout is planned and the state built on its
@@ -124,6 +126,16 @@ class Placement(abc.ABC):
     @abc.abstractmethod
     def _cost(self, unit: Any) -> int:
         """See the module docstring."""
+
+    @abc.abstractmethod
+    def global_rank(self) -> int:
+        """This rank's rank in the default group (read from the mesh)."""
+
+    @abc.abstractmethod
+    def leaf_owners(self) -> list[int | None]:
+        """Per leaf, the global rank that runs its whole-matrix math when every split leaf is
+        one matrix (`engine.owners`), as `_matrices` assigns it: from the shapes alone, the
+        same on every rank; None where every rank computes the leaf (a replicated one)."""
 
     # -- shapes and weights -----------------------------------------------------
     def full_shape(self, member: Any) -> torch.Size:

@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from . import cache
 from .dtensor import is_dtensor
 from .packed import PackSpec
 from .placement import Declined, Placement, exchange
@@ -53,7 +54,7 @@ def why_not(pairs: list[tuple[str, Any]]) -> str | None:
     from torch.distributed.tensor import Replicate, Shard
 
     dtensors = [(p, x) for p, x in pairs if is_dtensor(x)]
-    if len({_mesh_key(x.device_mesh) for _, x in dtensors}) != 1:
+    if len({cache.mesh_key(x.device_mesh) for _, x in dtensors}) != 1:
         return "the params' DTensors do not live on one device mesh"
     kinds = {nested_order(x) is not None for _, x in dtensors if not _replicated(x)}
     if kinds == {True}:
@@ -117,13 +118,9 @@ def _chunk(rows: int, parts: int, k: int) -> tuple[int, int]:
     return start, min(size, rows - start)
 
 
-def _mesh_key(mesh: Any) -> tuple:
-    """One mesh by its ranks (fully_shard per block makes equal mesh objects)."""
-    return (mesh.device_type, tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()))
-
-
 def placement(pairs: list[tuple[str, Any]]) -> RowShards:
-    """The row blocks of these (path, leaf) pairs (`why_not` says None for them)."""
+    """The row blocks of these (path, leaf) pairs (`why_not` says None for them). Where this
+    rank lies is read from the mesh (its coordinate), never from a process group's rank."""
     from torch.distributed.tensor import Replicate
 
     dtensors = [x for _, x in pairs if is_dtensor(x)]
@@ -134,31 +131,32 @@ def placement(pairs: list[tuple[str, Any]]) -> RowShards:
     dims = {d for x in dtensors for d, p in enumerate(x.placements) if not isinstance(p, Replicate)}
     dim = dims.pop() if dims else mesh.ndim - 1
     group = mesh.get_group(dim) if mesh.ndim > 1 else mesh.get_group()
-    world, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    coordinate = mesh.get_coordinate()
+    world, rank = mesh.size(dim), coordinate[dim]
+    grid = mesh.mesh
     replicas = None
+    ranks: list[list[int]] = [grid.tolist()]
     if mesh.ndim == 2:  # HSDP: the other mesh dim holds the replicas
-        other = mesh.get_group(1 - dim)
-        if torch.distributed.get_world_size(other) > 1:
-            replicas = (other, torch.distributed.get_world_size(other), torch.distributed.get_rank(other))
+        other = 1 - dim
+        ranks = [grid.select(other, q).tolist() for q in range(mesh.size(other))]
+        if mesh.size(other) > 1:
+            replicas = (mesh.get_group(other), mesh.size(other), coordinate[other])
     slices = [_slice_of(p, x, world, rank) for p, x in pairs]
-    return RowShards(group, world, rank, slices, replicas, device=dtensors[0].device)
-
-
-_GROUPS: dict[tuple, Any] = {}  # the process group over all ranks of a mesh, made once per mesh
+    return RowShards(group, world, rank, slices, replicas, device=dtensors[0].device, ranks=ranks)
 
 
 def _nested(pairs: list[tuple[str, Any]], mesh: Any, order: tuple[int, int], device: Any) -> RowShards:
-    """Rows over both dims of a 2-D mesh: one row layout over the group of all its ranks."""
-    key = _mesh_key(mesh)
-    if key not in _GROUPS:  # the members alone make it (local synchronization)
-        _GROUPS[key] = torch.distributed.new_group(sorted(key[2]), use_local_synchronization=True)
-    group = _GROUPS[key]
-    ranks = torch.distributed.get_process_group_ranks(group)  # global rank by group rank
+    """Rows over both dims of a 2-D mesh: one row layout over the group of all its ranks (in
+    the order of their global ranks)."""
+    key = cache.mesh_key(mesh)
+    # the members alone make it (local synchronization), once per mesh
+    group = cache.get("group", key, lambda: torch.distributed.new_group(sorted(key[2]), use_local_synchronization=True))
+    ranks = sorted(key[2])  # global rank by group rank
     where = {int(g): (a, b) for a, row in enumerate(mesh.mesh.tolist()) for b, g in enumerate(row)}
     coords = [where[g] for g in ranks]  # (mesh dim 0, mesh dim 1) coordinates by group rank
     outer, inner = order
     n_outer, n_inner = mesh.size(outer), mesh.size(inner)
-    world, rank = len(ranks), torch.distributed.get_rank(group)
+    world, rank = len(ranks), coords.index(tuple(mesh.get_coordinate()))
 
     def slice_of(path: str, x: Any) -> RowSlice:
         if not is_dtensor(x) or _replicated(x):
@@ -169,7 +167,7 @@ def _nested(pairs: list[tuple[str, Any]], mesh: Any, order: tuple[int, int], dev
         _check_local(path, x, s.counts[rank])
         return s
 
-    info = RowShards(group, world, rank, [slice_of(p, x) for p, x in pairs], None, device=device)
+    info = RowShards(group, world, rank, [slice_of(p, x) for p, x in pairs], None, device=device, ranks=[ranks])
     info.nested = (n_inner, n_outer)
     return info
 
@@ -204,6 +202,7 @@ class RowShards(Placement):
         slices: list[RowSlice],
         replicas: tuple[Any, int, int] | None = None,
         device: torch.device | None = None,
+        ranks: list[list[int]] | None = None,
     ) -> None:
         # a replicated leaf weighs 1 on rank 0 only
         weights = [1.0 if s.sharded or rank == 0 else 0.0 for s in slices]
@@ -213,6 +212,8 @@ class RowShards(Placement):
         self.replica_group: Any
         self.replica_group, self.replicas, self.replica = replicas if replicas is not None else (None, 1, 0)
         self.nested: tuple[int, int] | None = None  # (replicas, shards) when rows lie over both (`_nested`)
+        # the global rank of each (replica, group rank) slot
+        self.ranks = ranks if ranks is not None else [list(range(world))] * self.replicas
 
     def tags(self, index: int) -> tuple:
         return (("sharded", self.sharded[index]),)
@@ -258,6 +259,14 @@ class RowShards(Placement):
         hi = [max(min(b, start + count), low) for start, count, low in zip(s.starts, s.counts, lo)]
         rel = tuple(low - a for low in lo)
         return RowSlice(torch.Size((b - a, *s.shape[1:])), rel, tuple(h - low for low, h in zip(lo, hi)), True)
+
+    def global_rank(self) -> int:
+        return self.ranks[self.replica][self.rank]
+
+    def leaf_owners(self) -> list[int | None]:
+        units = tuple(i for i, s in enumerate(self.sharded) if s)
+        owner, replica = self._assign(units, ()) if units else ({}, {})
+        return [self.ranks[replica[i]][owner[i]] if s else None for i, s in enumerate(self.sharded)]
 
     def _cost(self, unit: Any) -> int:
         """Newton-Schulz's cost of a unit's matrix: m·n·min(m, n)."""

@@ -126,6 +126,14 @@ class TPBlocks(Placement):
         tail = tuple(self.shapes[index][lead:])
         return lead >= 1 and all(shape[lead:] == tail for _, shape in self.boxes.of(index))
 
+    def global_rank(self) -> int:
+        return self.rank  # the group is the world
+
+    def leaf_owners(self) -> list[int | None]:
+        units = tuple(i for i, s in enumerate(self.sharded) if s)
+        owner = self.owners(units) if units else {}
+        return [owner[i] if s else None for i, s in enumerate(self.sharded)]  # the group is the world
+
     def _cost(self, unit: Any) -> int:
         """Newton-Schulz's cost of a leaf's matrix: m·n·min(m, n)."""
         shape = self.shapes[unit]
@@ -315,12 +323,13 @@ def placement(pairs: list[tuple[str, Any]]) -> TPBlocks:
             f"no param spans the root mesh's dims {left} (pipeline stages?): reductions over them are not built"
         )
     coordinate = tuple(root.get_coordinate())
+    me = int(root.mesh[coordinate])  # this rank, read from the mesh (its coordinate)
     boxes = Boxes([x for _, x in pairs], root, mesh_dims, copies)
     for i in range(len(pairs)):  # now, not inside a traced step (DTensor's offset arithmetic does not trace)
         boxes.of(i)
     return TPBlocks(
         world,
-        torch.distributed.get_rank(),
+        me,
         [x.shape for _, x in pairs],
         copies,
         coordinate,

@@ -1,4 +1,4 @@
-"""The `purestep` command: `train CONFIG`, `demo`, `plot RUN_DIR`, `inspect CKPT`.
+"""The `purestep` command: `train CONFIG`, `demo`, `plot RUN_DIR`, `inspect CKPT`, `plan CONFIG --world N`.
 
 Errors a user can fix (a bad config field, a missing file, a corrupted checkpoint, a run
 directory that holds another run) print one line naming the field or file and exit 2.
@@ -227,6 +227,16 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", type=Path, help="PNG path (default RUN_DIR/metrics.png)")
     ins = sub.add_parser("inspect", help="show a checkpoint's step, config and tensors")
     ins.add_argument("checkpoint", type=Path)
+    pn = sub.add_parser(
+        "plan", help="plan a run over N ranks on this machine: bytes per rank, collectives, paths (fake ranks)"
+    )
+    pn.add_argument("config", help="a TOML/YAML/JSON config, or 'demo'")
+    pn.add_argument("--world", type=int, required=True, help="the number of ranks to plan for")
+    pn.add_argument("--ranks", help="the ranks to plan as, comma-separated (default: the first and the last)")
+    pn.add_argument("--per-node", type=int, default=8, help="ranks per node (HSDP's replicas, TP's degree; default 8)")
+    pn.add_argument("--json", action="store_true", help="print the report as JSON")
+    pn.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config field (repeatable)")  # fmt: skip
     return p
 
 
@@ -249,6 +259,22 @@ def _main(argv: Sequence[str] | None) -> int:
         return 0
     if args.command == "inspect":
         return inspect_checkpoint(args.checkpoint)
+    if args.command == "plan":
+        from .plan import format_plan, plan
+
+        if args.config == "demo":
+            cfg = apply_overrides(demo_config(), args.overrides)
+        else:
+            cfg = load_config(Path(args.config), args.overrides)
+        ranks = None
+        if args.ranks:
+            try:
+                ranks = [int(r) for r in args.ranks.split(",")]
+            except ValueError:
+                raise UsageError(f"--ranks {args.ranks!r}: comma-separated rank numbers, e.g. 0,4095") from None
+        report = plan(cfg, args.world, ranks=ranks, per_node=args.per_node)
+        print(json.dumps(report, indent=1) if args.json else format_plan(report))
+        return 0
     overrides = list(args.overrides) + ([f"steps={args.steps}"] if args.steps is not None else [])
     if args.command == "train":
         cfg = load_config(args.config, overrides)

@@ -193,7 +193,7 @@ def hsdp_mesh(world: World) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = (world.replicate, world.size // world.replicate)
-    key = (world.device.type, shape)
+    key = (dist.group.WORLD, world.device.type, shape)  # per process group (`purestep plan` makes several)
     if key not in _MESHES:
         _MESHES[key] = init_device_mesh(world.device.type, shape, mesh_dim_names=("replicate", "shard"))
     return _MESHES[key]
@@ -208,11 +208,22 @@ def ep_mesh(world: World) -> dict[str, Any]:
     from purestep.core import _compat as compat
 
     shape = (world.size // world.ep, world.ep)
-    key = (world.device.type, shape, "ep")
+    key = (dist.group.WORLD, world.device.type, shape, "ep")
     if key not in _MESHES:
         mesh = init_device_mesh(world.device.type, shape, mesh_dim_names=("efsdp", "ep"))
         _MESHES[key] = {"ep": mesh["ep"], "efsdp": mesh["efsdp"], "dp": compat.flatten_mesh(mesh, "dp")}
     return _MESHES[key]
+
+
+def replica_layout(config: Any, world: World) -> tuple[bool, bool]:
+    """(the optimizer state over HSDP's replicas, FSDP2 within each replica alone) for a
+    `TrainConfig` on `world`: with the state over the replicas (the update averages the
+    replicas' grads) or with DiLoCo (each replica a worker, its sync the only traffic across
+    them), FSDP2 shards within each replica."""
+    local_sgd = config.diloco.sync_every is not None
+    hsdp = world.strategy == "hsdp" and world.replicate > 1
+    over_replicas = hsdp and config.shard_state_over_replicas and not local_sgd
+    return over_replicas, over_replicas or (hsdp and local_sgd)
 
 
 def wrap(
@@ -239,7 +250,11 @@ def wrap(
         raise ValueError(
             f"precision='bf16-true' is not supported with strategy='{world.strategy}'; use precision='bf16'"
         )
-    model = model.to(world.device, dtype=torch.bfloat16 if precision == "bf16-true" else None)
+    dtype = torch.bfloat16 if precision == "bf16-true" else None
+    if any(p.is_meta for p in model.parameters()):  # planned (`purestep plan`): each rank's blocks made after
+        model = model.to(dtype=dtype) if dtype is not None else model
+    else:
+        model = model.to(world.device, dtype=dtype)
     if world.strategy == "ddp" and not local_sgd:
         ids = [world.device.index] if world.device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=ids)

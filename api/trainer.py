@@ -106,11 +106,7 @@ class Trainer(Loop):
         if is_step_indexed(self.data) and cfg.batch_size % (k * w):
             raise ConfigError("batch_size", f"{cfg.batch_size} rows do not split into {w} rank(s) x {k} micro-batches")
         local_sgd = cfg.diloco.sync_every is not None  # DiLoCo's workers: no grad all-reduce
-        # HSDP with the state over the replicas (the update averages the replicas' grads) or with
-        # DiLoCo (each replica a worker, the sync the only traffic across them): FSDP2 within each replica
-        hsdp = cfg.strategy == "hsdp" and self.world.replicate > 1
-        over_replicas = hsdp and cfg.shard_state_over_replicas and not local_sgd
-        apart = over_replicas or (hsdp and local_sgd)
+        over_replicas, apart = D.replica_layout(cfg, self.world)
         model = model if model is not None else build_model(cfg.model)
         self.module = D.wrap(model, self.world, precision=cfg.precision, local_sgd=local_sgd, replicas_apart=apart)
         self.model: Any = torch.compile(self.module) if cfg.compile else self.module

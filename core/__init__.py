@@ -15,6 +15,7 @@ from ._base import Schedule as Schedule
 from ._base import Transform as Transform
 from ._base import once as once
 from ._base import with_in_place as with_in_place
+from .engine.mesh import owner_work as owner_work
 from .engine.needs import Needs as Needs
 from .engine.needs import Rule as Rule
 from .engine.needs import contains as contains
@@ -188,6 +189,7 @@ __all__ = [
     "tree_cast",
     "state_bytes",
     "bytes_per_rank",
+    "owner_work",
     # combinators
     "chain",
     "masked",

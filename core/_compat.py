@@ -68,10 +68,58 @@ def flatten_mesh(mesh: Any, name: str) -> Any:
 
 def local_box(shape: Any, mesh_shape: Any, coordinate: list[int], placements: Any) -> tuple[Any, Any]:
     """(local shape, global offset) of the block at `coordinate` of a DTensor of `shape` placed by
-    `placements` on a mesh of `mesh_shape`: DTensor's own arithmetic (its `_StridedShard` included)."""
+    `placements` on a mesh of `mesh_shape`: DTensor's own arithmetic (its `_StridedShard` included).
+    The placements FSDP2, HSDP and TP make are computed here in closed form (`_chunked_box`,
+    tested equal to DTensor's): DTensor's own splits tensors, milliseconds a call, hours
+    over every rank of thousands."""
+    box = _chunked_box(tuple(shape), tuple(mesh_shape), coordinate, placements)
+    if box is not None:
+        return box
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
     return _compute_local_shape_and_global_offset(shape, mesh_shape, coordinate, placements)
+
+
+def _chunk(size: int, parts: int, k: int) -> tuple[int, int]:
+    """(start, count) of part `k` of `torch.chunk` of `size` into `parts` (ceil-sized, the last ones fewer or none)."""
+    step = -(-size // parts)
+    start = min(k * step, size)
+    return start, min(step, size - start)
+
+
+def _chunked_box(
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: list[int], placements: Any
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """`local_box` where each tensor dim is split by `Shard`s alone (chunked in mesh-dim
+    order), or by one `_StridedShard(d, split_factor=n)` before one `Shard(d)` over a mesh dim of
+    n ranks (FSDP2's rows over TP's, optimizer state over HSDP's replicas: the `Shard` chunks
+    first, the strided one each chunk); None for anything else."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    by_dim: dict[int, list[tuple[int, Any]]] = {}
+    for m, p in enumerate(placements):
+        if isinstance(p, Replicate):
+            continue
+        # a strided shard has a split factor (a Shard subclass on some releases, not on others)
+        if not (isinstance(p, Shard) or hasattr(p, "split_factor")):  # Partial, or a placement unknown here
+            return None
+        by_dim.setdefault(p.dim if p.dim >= 0 else p.dim + len(shape), []).append((m, p))
+    size, offset = list(shape), [0] * len(shape)
+    for d, splits in by_dim.items():
+        kinds = [not hasattr(p, "split_factor") for _, p in splits]
+        if all(kinds):
+            order = splits
+        elif kinds == [False, True] and splits[0][1].split_factor == mesh_shape[splits[1][0]]:
+            order = [splits[1], splits[0]]
+        else:
+            return None
+        for m, _ in order:
+            start, count = _chunk(size[d], mesh_shape[m], coordinate[m])
+            offset[d] += start
+            size[d] = count
+        if not size[d]:
+            offset[d] = shape[d]  # DTensor's offset of an empty block: the dim's end
+    return tuple(size), tuple(offset)
 
 
 @functools.cache

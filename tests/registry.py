@@ -167,7 +167,7 @@ NOT_TRANSFORMS = {
     "apply_updates", "apply_updates_", "tree_get", "tree_set", "step_count", "skipped_updates", "takes_parts", "tree_map", "tree_leaves",
     "tree_flatten", "tree_map_with_path",
     "tree_flatten_with_path", "tree_unflatten", "tree_paths", "tree_zeros_like",
-    "tree_global_norm", "tree_cast", "state_bytes", "bytes_per_rank", "set_hyperparam", "get_hyperparams",
+    "tree_global_norm", "tree_cast", "state_bytes", "bytes_per_rank", "owner_work", "set_hyperparam", "get_hyperparams",
     "MaskedState", "PartitionState", "InjectHyperparamsState", "ApplyIfFiniteState",
     "AccumulateState", "ScaleByLrState", "TraceState", "ScaleByAdamState", "ScaleByAmsgradState",
     "ScaleByLionState", "AddDecayedWeightsState",

@@ -132,10 +132,12 @@ class Placement(abc.ABC):
         """This rank's rank in the default group (read from the mesh)."""
 
     @abc.abstractmethod
-    def leaf_owners(self) -> list[int | None]:
-        """Per leaf, the global rank that runs its whole-matrix math when every split leaf is
-        one matrix (`engine.owners`), as `_matrices` assigns it: from the shapes alone, the
-        same on every rank; None where every rank computes the leaf (a replicated one)."""
+    def leaf_owners(self, leaves: tuple[int, ...] | None = None) -> list[int | None]:
+        """Per leaf, the global rank that runs its whole-matrix math when each split leaf of
+        `leaves` (None: every leaf) is one matrix computed at its owner (`engine.owners`;
+        Muon's hidden matrices when `leaves` are those), as `_matrices` assigns it: from the
+        shapes alone, the same on every rank; None for a leaf left out or computed by every
+        rank (a replicated one)."""
 
     # -- shapes and weights -----------------------------------------------------
     def full_shape(self, member: Any) -> torch.Size:

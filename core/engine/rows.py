@@ -263,10 +263,10 @@ class RowShards(Placement):
     def global_rank(self) -> int:
         return self.ranks[self.replica][self.rank]
 
-    def leaf_owners(self) -> list[int | None]:
-        units = tuple(i for i, s in enumerate(self.sharded) if s)
+    def leaf_owners(self, leaves: tuple[int, ...] | None = None) -> list[int | None]:
+        units = tuple(i for i, s in enumerate(self.sharded) if s and (leaves is None or i in leaves))
         owner, replica = self._assign(units, ()) if units else ({}, {})
-        return [self.ranks[replica[i]][owner[i]] if s else None for i, s in enumerate(self.sharded)]
+        return [self.ranks[replica[i]][owner[i]] if i in owner else None for i in range(len(self.sharded))]
 
     def _cost(self, unit: Any) -> int:
         """Newton-Schulz's cost of a unit's matrix: m·n·min(m, n)."""

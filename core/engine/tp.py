@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from .. import _compat as compat
+from . import cache
 from .dtensor import is_dtensor
 from .packed import PackSpec
 from .placement import Declined, Placement, exchange
@@ -129,10 +130,10 @@ class TPBlocks(Placement):
     def global_rank(self) -> int:
         return self.rank  # the group is the world
 
-    def leaf_owners(self) -> list[int | None]:
-        units = tuple(i for i, s in enumerate(self.sharded) if s)
+    def leaf_owners(self, leaves: tuple[int, ...] | None = None) -> list[int | None]:
+        units = tuple(i for i, s in enumerate(self.sharded) if s and (leaves is None or i in leaves))
         owner = self.owners(units) if units else {}
-        return [owner[i] if s else None for i, s in enumerate(self.sharded)]  # the group is the world
+        return [owner.get(i) for i in range(len(self.sharded))]  # the group is the world
 
     def _cost(self, unit: Any) -> int:
         """Newton-Schulz's cost of a leaf's matrix: m·n·min(m, n)."""
@@ -199,23 +200,29 @@ class Boxes:
         # flattened mesh, its coordinate their row-major index)
         self.leaves, self.dims, self.copies = leaves, dims, copies
         self.root_shape = tuple(root.mesh.shape)
+        self.root = cache.mesh_key(root)
         self.coords = coordinates(root)
         self._boxes: dict[int, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
 
     def of(self, i: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        """Leaf `i`'s block on each rank: (offsets, shape) in the whole leaf."""
+        """Leaf `i`'s block on each rank: (offsets, shape) in the whole leaf. Leaves laid out
+        alike (a model's layers) share one list, made once per root mesh (`cache`)."""
         if i not in self._boxes:
             x = self.leaves[i]
             if not is_dtensor(x):
                 self._boxes[i] = [((0,) * x.dim(), tuple(x.shape))] * len(self.coords)
             else:
-                shape, dims, root = tuple(x.device_mesh.shape), self.dims[i], self.root_shape
-                self._boxes[i] = []
-                for c in self.coords:
-                    at = [_flat_index([c[d] for d in ds], [root[d] for d in ds]) for ds in dims]
-                    size, offset = compat.local_box(x.shape, shape, at, x.placements)
-                    self._boxes[i].append((tuple(offset), tuple(size)))
+                key = (tuple(x.shape), tuple(x.placements), tuple(x.device_mesh.shape), self.dims[i], self.root)
+                self._boxes[i] = cache.get("boxes", key, lambda: self._every_rank(x, self.dims[i]))
         return self._boxes[i]
+
+    def _every_rank(self, x: Any, dims: tuple[tuple[int, ...], ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        shape, root, boxes = tuple(x.device_mesh.shape), self.root_shape, []
+        for c in self.coords:
+            at = [_flat_index([c[d] for d in ds], [root[d] for d in ds]) for ds in dims]
+            size, offset = compat.local_box(x.shape, shape, at, x.placements)
+            boxes.append((tuple(offset), tuple(size)))
+        return boxes
 
     def counts(self, i: int, rank: int) -> bool:
         """Whether `rank`'s block of leaf `i` is the copy that counts (the others repeat it)."""
@@ -231,7 +238,13 @@ def _flat_index(coordinate: list[int], shape: list[int]) -> int:
 
 def coordinates(root: Any) -> list[tuple[int, ...]]:
     """Every world rank's coordinate in the root mesh, by rank."""
-    return [tuple(int(c) for c in (root.mesh == r).nonzero()[0]) for r in range(root.mesh.numel())]
+    import itertools
+
+    ranks = root.mesh.flatten().tolist()
+    out: list[tuple[int, ...]] = [()] * len(ranks)
+    for flat, c in enumerate(itertools.product(*(range(n) for n in root.mesh.shape))):
+        out[ranks[flat]] = c
+    return out
 
 
 def _root_dims(mesh: Any, root: Any, coords: list[tuple[int, ...]]) -> tuple[tuple[int, ...], ...] | None:

@@ -123,14 +123,16 @@ def test_the_blocks_of_a_split_leaf_are_units_of_their_own_owned_apart():
 
 
 class _FakeMesh:
+    device_type = "cpu"
+
     def __init__(self, shape: tuple[int, ...]) -> None:
         self.mesh = torch.arange(int(torch.tensor(shape).prod())).view(shape)
 
 
 def _blocks(leaf_shape, placements, mesh_shape=(2, 2), rank=0) -> tp.TPBlocks:
     """TP blocks of one leaf on a fake root mesh (no process group): where
-    each rank's block lies, by DTensor's own offset arithmetic."""
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset as box
+    each rank's block lies, by `local_box` (DTensor's own offset arithmetic, FSDP2's chunks)."""
+    from purestep.core._compat import local_box as box
 
     dims = tuple(range(len(mesh_shape)))
     boxes = tp.Boxes([torch.empty(leaf_shape)], _FakeMesh(mesh_shape), [dims], [()])
@@ -150,3 +152,47 @@ def test_tp_blocks_tile_a_matrix_only_where_they_are_boxes():
     # The other order strides the rows (0, 2 | 1, 3 | ...): no boxes; owner-computes declines.
     bad = _blocks((8, 4), [Shard(0), _StridedShard(0, split_factor=2)]).untiled()
     assert bad is not None and "do not tile" in bad
+
+
+def test_local_boxes_in_closed_form_equal_dtensors_own_and_fsdp2s_chunks():
+    """`_compat.local_box` computes FSDP2's, HSDP's and TP's placements itself: the same
+    (local shape, offset) as DTensor's arithmetic at every coordinate, uneven and empty blocks
+    included; a strided shard (FSDP2's rows over TP's) as FSDP2 lays it out, torch.chunk of
+    the TP chunk, which DTensor's arithmetic agrees with where the rows divide evenly."""
+    import itertools
+
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from purestep.core import _compat as compat
+
+    cases = [
+        ((4,), [Shard(0)]),
+        ((4, 3), [Replicate(), Shard(0)]),
+        ((4, 3), [Shard(0), Shard(1)]),
+        ((2, 3), [Shard(0), Shard(0)]),
+        ((4, 3), [Shard(1), Shard(0)]),
+        ((4, 3), [_StridedShard(0, split_factor=3), Shard(0)]),  # FSDP2 rows over TP's (dp, tp)
+        ((2, 4, 3), [Replicate(), _StridedShard(0, split_factor=3), Shard(0)]),  # HSDP + TP
+    ]
+    checked = 0
+    for (mesh_shape, placements), n in itertools.product(cases, (1, 5, 7, 13, 24, 40)):
+        shape = (n, 6)
+        strided = any(hasattr(p, "split_factor") for p in placements)
+        for coordinate in itertools.product(*(range(n) for n in mesh_shape)):
+            got = compat._chunked_box(shape, mesh_shape, list(coordinate), placements)
+            assert got is not None
+            if not strided or n % 12 == 0:
+                want = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coordinate), placements)
+                assert (tuple(got[0]), tuple(got[1])) == (tuple(want[0]), tuple(want[1])), (placements, n, coordinate)
+            if strided:  # TP's chunk, then FSDP2's chunk of it
+                def chunks(x, n):  # torch.chunk, with the empty chunks it leaves out
+                    return list(x.chunk(n)) + [x[:0]] * (n - len(x.chunk(n))) if len(x) else [x] * n
+
+                held = chunks(chunks(torch.arange(n), 3)[coordinate[-1]], 4)[coordinate[-2]]
+                assert got[0][0] == len(held) and (not len(held) or got[1][0] == int(held[0])), (n, coordinate)
+            checked += 1
+    assert checked > 400
+    # a strided shard not followed by its Shard is left to DTensor
+    assert compat._chunked_box((8, 6), (2, 2), [0, 1], [_StridedShard(0, split_factor=2), Replicate()]) is None

@@ -21,6 +21,7 @@ from .errors import ConfigError as ConfigError
 from .errors import RunDirError as RunDirError
 from .fault_tolerance import TorchFT as TorchFT
 from .optimizer import Optimizer as Optimizer
+from .planner import plan as plan
 from .trainer import Trainer as Trainer
 
 __all__: list[str] = [
@@ -46,4 +47,5 @@ __all__: list[str] = [
     "TorchFT",
     "load_config",
     "apply_overrides",
+    "plan",
 ]

@@ -260,7 +260,7 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.command == "inspect":
         return inspect_checkpoint(args.checkpoint)
     if args.command == "plan":
-        from .plan import format_plan, plan
+        from .planner import format_plan, plan
 
         if args.config == "demo":
             cfg = apply_overrides(demo_config(), args.overrides)

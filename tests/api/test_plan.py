@@ -13,7 +13,7 @@ import pytest
 from purestep.api import cli
 from purestep.api.config import apply_overrides
 from purestep.api.errors import ConfigError
-from purestep.api.plan import plan
+from purestep.api.planner import plan
 
 
 def test_plan_of_the_demo_at_4096_ranks_reports_every_ranks_bytes_and_the_steps_collectives(capsys):

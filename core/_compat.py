@@ -133,3 +133,17 @@ def dtensor_runs(op: Any) -> bool:
     except (ImportError, AttributeError):
         return False
     return op in propagator.op_strategy_funcs or op in getattr(propagator, "op_to_rules", {})
+
+
+def all_gather_single(output: Any, input: Any, group: Any) -> None:
+    """`torch.distributed.all_gather_single` (2.13: `all_gather_into_tensor` is deprecated under that name)."""
+    import torch.distributed as dist
+
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(output, input, group=group)
+
+
+def reduce_scatter_single(output: Any, input: Any, group: Any) -> None:
+    """`torch.distributed.reduce_scatter_single` (2.13: `reduce_scatter_tensor` is deprecated under that name)."""
+    import torch.distributed as dist
+
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(output, input, group=group)

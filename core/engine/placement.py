@@ -86,7 +86,10 @@ class Placement(abc.ABC):
         weights: list[float],
         device: torch.device | None,
     ) -> None:
-        self.group, self.world, self.rank = group, world, rank
+        # the process group of the collectives, or a function that makes it at the first
+        # collective (planning and `explain()` create no group)
+        self._group = group
+        self.world, self.rank = world, rank
         # Where every payload of its collectives lives: the params' device (NCCL refuses others).
         self.device = device if device is not None else torch.device("cpu")
         self.shapes = shapes  # by leaf index (flatten order of the params): the whole leaf's
@@ -138,6 +141,12 @@ class Placement(abc.ABC):
         Muon's hidden matrices when `leaves` are those), as `_matrices` assigns it: from the
         shapes alone, the same on every rank; None for a leaf left out or computed by every
         rank (a replicated one)."""
+
+    @property
+    def group(self) -> Any:
+        if callable(self._group):
+            self._group = self._group()
+        return self._group
 
     # -- shapes and weights -----------------------------------------------------
     def full_shape(self, member: Any) -> torch.Size:

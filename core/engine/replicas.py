@@ -38,6 +38,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from .. import _compat as compat
 from .. import _tree as tr
 from .donate import copy_into
 from .dtensor import is_dtensor, local
@@ -272,7 +273,7 @@ class OverReplicas:
             pieces, places = self._places(blocks, idx, sizes, send)
             torch._foreach_copy_(places, pieces)
             got = send.new_empty(most)
-            torch.distributed.reduce_scatter_tensor(got, send.view(-1), group=self.group)
+            compat.reduce_scatter_single(got, send.view(-1), self.group)
             got.mul_(1.0 / self.replicas)
             dst = [self.grad_proxies[i]._local_tensor for i in idx]
             torch._foreach_copy_(
@@ -285,7 +286,7 @@ class OverReplicas:
             mine = [proxies[i]._local_tensor.reshape(-1) for i in idx]
             send = torch.cat(mine + [mine[0].new_zeros(most - sum(sizes[self.me]))])
             flat = send.new_empty(self.replicas * most)
-            torch.distributed.all_gather_into_tensor(flat, send, group=self.group)
+            compat.all_gather_single(flat, send, self.group)
             pieces, places = self._places(self.blocks, idx, sizes, flat.view(self.replicas, most))
             if pieces:  # into the user's param blocks
                 copy_into(pieces, places, "params")

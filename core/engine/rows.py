@@ -149,9 +149,11 @@ def _nested(pairs: list[tuple[str, Any]], mesh: Any, order: tuple[int, int], dev
     """Rows over both dims of a 2-D mesh: one row layout over the group of all its ranks (in
     the order of their global ranks)."""
     key = cache.mesh_key(mesh)
-    # the members alone make it (local synchronization), once per mesh
-    group = cache.get("group", key, lambda: torch.distributed.new_group(sorted(key[2]), use_local_synchronization=True))
     ranks = sorted(key[2])  # global rank by group rank
+
+    def group() -> Any:  # made at the first collective, by the members alone (local synchronization), once per mesh
+        return cache.get("group", key, lambda: torch.distributed.new_group(ranks, use_local_synchronization=True))
+
     where = {int(g): (a, b) for a, row in enumerate(mesh.mesh.tolist()) for b, g in enumerate(row)}
     coords = [where[g] for g in ranks]  # (mesh dim 0, mesh dim 1) coordinates by group rank
     outer, inner = order

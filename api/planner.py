@@ -10,7 +10,9 @@ counted. What it reports:
 
 - bytes per rank of the params, grads, optimizer state and EMA: the largest rank, the mean,
   and the ideal (one whole copy over the ranks), for every rank of the world, read from the
-  placements (`ps.bytes_per_rank`) after the step (state over HSDP's replicas re-placed);
+  placements (`ps.bytes_per_rank`) after the step (state over HSDP's replicas re-placed), and
+  one row of each tensor (blocks are whole rows: the largest rank may hold up to about a row
+  of each tensor more than its even share);
 - the collectives of one step on each planned rank, by kind, with the bytes it sends;
 - how the update runs (`update.explain()`: the path, and why it was chosen);
 - the owners' balance: the whole-matrix work per rank (`ps.owner_work`) of the leaves the
@@ -112,6 +114,15 @@ def _stats(per_rank: list[int], whole: int) -> dict[str, float]:
             "max_over_ideal": max(per_rank) / ideal if ideal else 0.0}  # fmt: skip
 
 
+def _row_bytes(tree: Any) -> int:
+    """One row of each tensor of `tree` of a dim or more (the granularity blocks of rows are cut at)."""
+    seen: dict[int, int] = {}
+    for x in pytree.tree_leaves(tree):
+        if isinstance(x, torch.Tensor) and x.dim() and x.shape[0]:
+            seen[id(x)] = x.numel() // x.shape[0] * x.element_size()
+    return sum(seen.values())
+
+
 def _whole_bytes(tree: Any) -> int:
     """The bytes of one whole copy of `tree` (each DTensor as its global tensor, each tensor once)."""
     seen: dict[int, int] = {}
@@ -193,7 +204,10 @@ def plan_rank(cfg: TrainConfig, world: int, rank: int, per_node: int = 8) -> dic
             "rank": rank,
             "explain": update.explain(),
             "collectives": {k: {"calls": counted.calls[k], "bytes": counted.bytes[k]} for k in sorted(counted.calls)},
-            "bytes": {k: _stats(ps.bytes_per_rank(t, world), _whole_bytes(t)) for k, t in trees.items()},
+            "bytes": {
+                k: {**_stats(ps.bytes_per_rank(t, world), _whole_bytes(t)), "one_row_each": _row_bytes(t)}
+                for k, t in trees.items()
+            },
             "owner_work": balance,
             "params": sum(p.numel() for p in params.values()),
             "leaves": len(params),

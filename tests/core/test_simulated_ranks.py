@@ -53,7 +53,7 @@ def _case(family: str, layout: str, mesh_shape: tuple[int, ...]) -> None:
     one_process_bytes = ps.state_bytes(state)
     world = int(torch.tensor(mesh_shape).prod())
 
-    def rank(r: int) -> tuple[float, int, list[int] | None, str]:
+    def rank(r: int) -> tuple[float, int, list[int] | None, str, list[int] | None]:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", mesh_shape)
@@ -68,7 +68,8 @@ def _case(family: str, layout: str, mesh_shape: tuple[int, ...]) -> None:
             (p._local_tensor - threaded_ranks.whole_block(ref[k], p)).abs().max().item() if p._local_tensor.numel() else 0.0
             for k, p in params.items()
         )
-        return err, ps.state_bytes(st), ps.bytes_per_rank(st) if r == 0 else None, step.explain()
+        work = ps.owner_work(params) if r == 0 else None  # every matrix at its owner, from the shapes
+        return err, ps.state_bytes(st), ps.bytes_per_rank(st) if r == 0 else None, step.explain(), work
 
     out = threaded_ranks.run(world, rank)
     assert max(e for e, *_ in out.values()) < 1e-12
@@ -79,6 +80,8 @@ def _case(family: str, layout: str, mesh_shape: tuple[int, ...]) -> None:
         counters = min(held)  # the plain scalars every rank keeps
         assert sum(h - counters for h in held) <= one_process_bytes  # each leaf's state at one rank
         assert sum(h > counters for h in held) >= 3  # at the three matrices' owners, not on every rank
+        # the owners ps.owner_work names (from the shapes, on rank 0) are the ranks holding the state
+        assert {r for r, w in enumerate(out[0][4]) if w} == {r for r, h in enumerate(held) if h > counters}
     else:
         assert all("sharded" in out[r][3] for r in out), out[0][3]
 

@@ -28,6 +28,7 @@ from .config import DataConfig, ModelConfig, OptimizerConfig, ScheduleConfig, Tr
 from .config import load_config
 from .data import decode, encode
 from .errors import CheckpointError, ConfigError, RunDirError, UsageError
+from .planner import format_plan, plan
 from .trainer import Trainer
 
 
@@ -260,8 +261,6 @@ def _main(argv: Sequence[str] | None) -> int:
     if args.command == "inspect":
         return inspect_checkpoint(args.checkpoint)
     if args.command == "plan":
-        from .planner import format_plan, plan
-
         if args.config == "demo":
             cfg = apply_overrides(demo_config(), args.overrides)
         else:

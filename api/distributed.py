@@ -241,7 +241,8 @@ def wrap(
     (for "fsdp+tp", FSDP2 then shards over its "dp" dim; for "hsdp+tp", HSDP over its
     (replicate, shard) dims). With expert parallelism (`world.ep` > 1, under "fsdp") the
     model's `ep_plan(degree)` splits its experts over the (efsdp, ep) mesh's "ep" dim, FSDP2
-    shards each experts module over "efsdp" (the model's expert grads are already the mean
+    shards each experts module over "efsdp", along the experts' rows where an ep rank holds
+    fewer experts than "efsdp" has ranks (the model's expert grads are already the mean
     over its EP group's ranks, `Experts`) and the rest over all ranks. `local_sgd`
     (DiLoCo's workers, under DDP): no grad all-reduce between workers, so no DDP wrapper. `replicas_apart` (HSDP): FSDP2 over the
     mesh's shard dim alone, the replicas' grads left to the update (`ps.make_update`'s
@@ -289,6 +290,7 @@ def wrap(
         experts = list(plan_of)
     if world.strategy in FSDP:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.tensor import Shard
 
         kwargs: dict[str, Any] = {}
         if experts:
@@ -301,12 +303,24 @@ def wrap(
             kwargs["mesh"] = mesh["replicate", "shard"]
         if world.device.type == "cuda" and precision in ("bf16", "bf16-mixed"):
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        efsdp = world.size // world.ep
         for name in experts:
-            fully_shard(model.get_submodule(name), **{**kwargs, "mesh": ep_mesh(world)["efsdp"]})
+            module = model.get_submodule(name)
+            # Fewer experts on an EP rank than ranks to shard them over: FSDP2's chunks of the
+            # expert dim would leave the first rank holding them whole and the others nothing
+            # (`purestep plan`: 49x the even share at 512 ranks); their rows are split instead.
+            rows = local_experts(module) < efsdp
+            extra = {"shard_placement_fn": lambda p: Shard(1)} if rows else {}
+            fully_shard(module, **{**kwargs, "mesh": ep_mesh(world)["efsdp"], **extra})
         for block in blocks_of(model):
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
     return model
+
+
+def local_experts(module: nn.Module) -> int:
+    """The experts an EP rank holds: the leading dim of its experts' local blocks."""
+    return min(local(p).shape[0] for p in module.parameters())
 
 
 def _workers(world: World) -> tuple[Any, int] | None:

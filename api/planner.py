@@ -138,8 +138,10 @@ def _owned_leaves(cfg: TrainConfig, params: dict[str, torch.Tensor]) -> tuple[st
     if name in ("muon_adamw", "normuon_adamw"):
         labels = ps.muon_labels(params)
         return f"{name}'s hidden matrices", {k: labels[k] == "muon" for k in params}
-    if name in MUON_FAMILY or name in OWNED_FAMILY:
+    if name in MUON_FAMILY:
         return f"{name}'s matrices", None
+    if name in OWNED_FAMILY:
+        return f"{name}'s leaves", dict.fromkeys(params, True)  # each leaf's step and state at its owner
     return None
 
 
@@ -148,7 +150,7 @@ def _largest(params: dict[str, torch.Tensor], mask: Any) -> int:
     costs = [
         p.shape[0] * (p.numel() // p.shape[0]) * min(p.shape[0], p.numel() // p.shape[0])
         for k, p in params.items()
-        if p.dim() >= 2 and p.numel() and (mask is None or mask[k])
+        if p.dim() and p.numel() and (p.dim() >= 2 if mask is None else mask[k])
     ]
     return max(costs, default=0)
 

@@ -33,22 +33,23 @@ def describe(params: Any) -> str:
 
 
 def owner_work(params: Any, leaves: Any = None) -> list[int]:
-    """Per global rank, the whole-matrix work (Newton-Schulz's cost, m·n·min(m, n)) it
-    computes when each split matrix leaf where `leaves` is True (a bool tree like the params,
-    or `callable(params)`; None: every leaf of 2 dims or more) runs at its owner, as
-    owner-computes assigns them on these params' layout (Muon, NorMuon, SOAP, Kron); a leaf
-    every rank holds whole is computed on every rank. From the shapes alone: no collective."""
+    """Per global rank, the whole-matrix work (Newton-Schulz's cost, m·n·min(m, n), a vector
+    as one row) it computes when each split leaf where `leaves` is True (a bool tree like the
+    params, or `callable(params)`; None: every leaf of 2 dims or more, Muon's) runs at its
+    owner, as owner-computes assigns them on these params' layout (Muon and NorMuon: their
+    matrices; SOAP and Kron: every leaf); a leaf every rank holds whole is computed on every
+    rank. From the shapes alone: no collective."""
     import math
 
     import torch
+
+    import torch.utils._pytree as pytree
 
     pairs, _ = tr.tree_flatten_with_path(params)
     chosen = [x.dim() >= 2 for _, x in pairs]
     if leaves is not None:
         mask = leaves(params) if callable(leaves) else leaves
-        import torch.utils._pytree as pytree
-
-        chosen = [c and bool(m) for c, m in zip(chosen, pytree.tree_structure(params).flatten_up_to(mask))]
+        chosen = [bool(m) for m in pytree.tree_structure(params).flatten_up_to(mask)]
     info = placement(params)
     dist = torch.distributed
     work = [0] * (dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1)
@@ -56,7 +57,7 @@ def owner_work(params: Any, leaves: Any = None) -> list[int]:
     for i, (c, owner) in enumerate(zip(chosen, owners)):
         if not c:
             continue
-        shape = info.shapes[i]
+        shape = info.shapes[i] if len(info.shapes[i]) else torch.Size([1])
         rows, cols = shape[0], math.prod(shape[1:])
         cost = rows * cols * min(rows, cols)
         for r in [owner] if owner is not None else range(len(work)):

@@ -496,6 +496,23 @@ def test_expert_parallel_dispatch_with_uneven_routing_equals_whole_experts_forwa
     assert out.stdout.count(" ok, slots per expert ") == 2, out.stdout
 
 
+def test_fewer_experts_per_ep_rank_than_ranks_to_shard_them_split_their_rows_and_match_one_process(
+    tmp_path, same_device_as_the_ranks
+):
+    """2 experts over EP 2 x FSDP 2: one expert per EP rank, 2 ranks to shard it over. FSDP2's
+    chunks of the expert dim would leave one rank of each pair holding it whole and the other
+    nothing; the Trainer shards the experts' rows instead (`Shard(1)` over "efsdp"), every rank
+    holds half an expert, Muon assembles each at its owner. Equal to one process after 4 steps."""
+    moe = 'model.kwargs={"experts": 2, "top_k": 2}'
+    out = torchrun(str(tmp_path / "ep"), "fsdp", "4", "--set", moe, "--set", "ep=2", nproc=4)
+    assert "path sharded" in out.stdout, out.stdout
+    ref = trainer(tmp_path / "single", "steps=4", moe)
+    ref.fit()
+    got = load_checkpoint(tmp_path / "ep" / "checkpoints" / "step_00000004")
+    for k, p in ref.named.items():
+        torch.testing.assert_close(got.params[k], p.detach(), rtol=1e-3, atol=1e-5)
+
+
 def test_moe_gpt_with_expert_parallelism_matches_one_process_and_resumes_across_ep_degrees(
     tmp_path, same_device_as_the_ranks
 ):

@@ -68,7 +68,8 @@ def _case(family: str, layout: str, mesh_shape: tuple[int, ...]) -> None:
             (p._local_tensor - threaded_ranks.whole_block(ref[k], p)).abs().max().item() if p._local_tensor.numel() else 0.0
             for k, p in params.items()
         )
-        work = ps.owner_work(params) if r == 0 else None  # every matrix at its owner, from the shapes
+        # every leaf at its owner (SOAP's and Kron's), from the shapes
+        work = ps.owner_work(params, dict.fromkeys(params, True)) if r == 0 else None
         return err, ps.state_bytes(st), ps.bytes_per_rank(st) if r == 0 else None, step.explain(), work
 
     out = threaded_ranks.run(world, rank)
@@ -81,7 +82,8 @@ def _case(family: str, layout: str, mesh_shape: tuple[int, ...]) -> None:
         assert sum(h - counters for h in held) <= one_process_bytes  # each leaf's state at one rank
         assert sum(h > counters for h in held) >= 3  # at the three matrices' owners, not on every rank
         # the owners ps.owner_work names (from the shapes, on rank 0) are the ranks holding the state
-        assert {r for r, w in enumerate(out[0][4]) if w} == {r for r, h in enumerate(held) if h > counters}
+        work = out[0][4]  # a replicated leaf: computed, and its state kept, on every rank alike
+        assert {r for r, w in enumerate(work) if w > min(work)} == {r for r, h in enumerate(held) if h > counters}
     else:
         assert all("sharded" in out[r][3] for r in out), out[0][3]
 

@@ -241,8 +241,8 @@ def wrap(
     (for "fsdp+tp", FSDP2 then shards over its "dp" dim; for "hsdp+tp", HSDP over its
     (replicate, shard) dims). With expert parallelism (`world.ep` > 1, under "fsdp") the
     model's `ep_plan(degree)` splits its experts over the (efsdp, ep) mesh's "ep" dim, FSDP2
-    shards each experts module over "efsdp", along the experts' rows where an ep rank holds
-    fewer experts than "efsdp" has ranks (the model's expert grads are already the mean
+    shards each experts module over "efsdp", along a dim of each expert that "efsdp" divides
+    where an ep rank holds fewer experts than "efsdp" has ranks (the model's expert grads are already the mean
     over its EP group's ranks, `Experts`) and the rest over all ranks. `local_sgd`
     (DiLoCo's workers, under DDP): no grad all-reduce between workers, so no DDP wrapper. `replicas_apart` (HSDP): FSDP2 over the
     mesh's shard dim alone, the replicas' grads left to the update (`ps.make_update`'s
@@ -308,9 +308,13 @@ def wrap(
             module = model.get_submodule(name)
             # Fewer experts on an EP rank than ranks to shard them over: FSDP2's chunks of the
             # expert dim would leave the first rank holding them whole and the others nothing
-            # (`purestep plan`: 49x the even share at 512 ranks); their rows are split instead.
-            rows = local_experts(module) < efsdp
-            extra = {"shard_placement_fn": lambda p: Shard(1)} if rows else {}
+            # (`purestep plan`: 49x the even share at 512 ranks); each expert is split along its
+            # first dim that the ranks divide (FSDP2 shards other dims only evenly), else as before.
+            extra = {}
+            if local_experts(module) < efsdp:
+                extra["shard_placement_fn"] = lambda p: Shard(
+                    next((d for d in range(1, p.dim()) if p.shape[d] % efsdp == 0), 0)
+                )
             fully_shard(module, **{**kwargs, "mesh": ep_mesh(world)["efsdp"], **extra})
         for block in blocks_of(model):
             fully_shard(block, **kwargs)

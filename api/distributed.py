@@ -216,10 +216,8 @@ def ep_mesh(world: World) -> dict[str, Any]:
 
 
 def replica_layout(config: Any, world: World) -> tuple[bool, bool]:
-    """(the optimizer state over HSDP's replicas, FSDP2 within each replica alone) for a
-    `TrainConfig` on `world`: with the state over the replicas (the update averages the
-    replicas' grads) or with DiLoCo (each replica a worker, its sync the only traffic across
-    them), FSDP2 shards within each replica."""
+    """(the state over HSDP's replicas, FSDP2 within each replica alone) for a `TrainConfig` on
+    `world`: either with the state over the replicas or with DiLoCo's workers (the replicas)."""
     local_sgd = config.diloco.sync_every is not None
     hsdp = world.strategy == "hsdp" and world.replicate > 1
     over_replicas = hsdp and config.shard_state_over_replicas and not local_sgd
@@ -241,10 +239,9 @@ def wrap(
     (for "fsdp+tp", FSDP2 then shards over its "dp" dim; for "hsdp+tp", HSDP over its
     (replicate, shard) dims). With expert parallelism (`world.ep` > 1, under "fsdp") the
     model's `ep_plan(degree)` splits its experts over the (efsdp, ep) mesh's "ep" dim, FSDP2
-    shards each experts module over "efsdp", along a dim of each expert that "efsdp" divides
-    where an ep rank holds fewer experts than "efsdp" has ranks (the model's expert grads are already the mean
-    over its EP group's ranks, `Experts`) and the rest over all ranks. `local_sgd`
-    (DiLoCo's workers, under DDP): no grad all-reduce between workers, so no DDP wrapper. `replicas_apart` (HSDP): FSDP2 over the
+    shards each experts module over "efsdp" (along a dim "efsdp" divides where an ep rank holds fewer
+    experts than "efsdp" has ranks; the model's expert grads are already the mean over its EP group's
+    ranks, `Experts`) and the rest over all ranks. `local_sgd` (DiLoCo's workers, under DDP): no grad all-reduce between workers, so no DDP wrapper. `replicas_apart` (HSDP): FSDP2 over the
     mesh's shard dim alone, the replicas' grads left to the update (`ps.make_update`'s
     `shard_state_over_replicas` given `hsdp_mesh(world)`, or DiLoCo's sync)."""
     if precision == "bf16-true" and world.strategy in FSDP:
@@ -252,10 +249,8 @@ def wrap(
             f"precision='bf16-true' is not supported with strategy='{world.strategy}'; use precision='bf16'"
         )
     dtype = torch.bfloat16 if precision == "bf16-true" else None
-    if any(p.is_meta for p in model.parameters()):  # planned (`purestep plan`): each rank's blocks made after
-        model = model.to(dtype=dtype) if dtype is not None else model
-    else:
-        model = model.to(world.device, dtype=dtype)
+    on_meta = any(p.is_meta for p in model.parameters())  # planned (`purestep plan`): blocks made after wrapping
+    model = model.to(dtype=dtype) if on_meta else model.to(world.device, dtype=dtype)
     if world.strategy == "ddp" and not local_sgd:
         ids = [world.device.index] if world.device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=ids)
@@ -306,25 +301,16 @@ def wrap(
         efsdp = world.size // world.ep
         for name in experts:
             module = model.get_submodule(name)
-            # Fewer experts on an EP rank than ranks to shard them over: FSDP2's chunks of the
-            # expert dim would leave the first rank holding them whole and the others nothing
-            # (`purestep plan`: 49x the even share at 512 ranks); each expert is split along its
-            # first dim that the ranks divide (FSDP2 shards other dims only evenly), else as before.
-            extra = {}
-            if local_experts(module) < efsdp:
-                extra["shard_placement_fn"] = lambda p: Shard(
-                    next((d for d in range(1, p.dim()) if p.shape[d] % efsdp == 0), 0)
-                )
-            fully_shard(module, **{**kwargs, "mesh": ep_mesh(world)["efsdp"], **extra})
+            # Fewer experts on an EP rank than efsdp ranks: FSDP2's chunks of the expert dim would leave them
+            # whole on the first rank (49x at 512 ranks): split each along a dim the ranks divide (FSDP2: evenly)
+            few = min(local(p).shape[0] for p in module.parameters()) < efsdp
+            dim = lambda p: next((d for d in range(1, p.dim()) if p.shape[d] % efsdp == 0), 0)  # noqa: E731
+            split = {"shard_placement_fn": lambda p: Shard(dim(p))} if few else {}
+            fully_shard(module, **{**kwargs, "mesh": ep_mesh(world)["efsdp"], **split})
         for block in blocks_of(model):
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
     return model
-
-
-def local_experts(module: nn.Module) -> int:
-    """The experts an EP rank holds: the leading dim of its experts' local blocks."""
-    return min(local(p).shape[0] for p in module.parameters())
 
 
 def _workers(world: World) -> tuple[Any, int] | None:

@@ -80,7 +80,7 @@ def local_box(shape: Any, mesh_shape: Any, coordinate: list[int], placements: An
     return _compute_local_shape_and_global_offset(shape, mesh_shape, coordinate, placements)
 
 
-def _chunk(size: int, parts: int, k: int) -> tuple[int, int]:
+def chunk_range(size: int, parts: int, k: int) -> tuple[int, int]:
     """(start, count) of part `k` of `torch.chunk` of `size` into `parts` (ceil-sized, the last ones fewer or none)."""
     step = -(-size // parts)
     start = min(k * step, size)
@@ -114,7 +114,7 @@ def _chunked_box(
         else:
             return None
         for m, _ in order:
-            start, count = _chunk(size[d], mesh_shape[m], coordinate[m])
+            start, count = chunk_range(size[d], mesh_shape[m], coordinate[m])
             offset[d] += start
             size[d] = count
         if not size[d]:

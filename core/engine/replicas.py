@@ -43,7 +43,7 @@ from .. import _tree as tr
 from .donate import copy_into
 from .dtensor import is_dtensor, local
 from .placement import Declined
-from .rows import _chunk, nested_placements
+from .rows import nested_placements
 
 
 def check_over_replicas(value: Any, donate: bool) -> None:
@@ -167,7 +167,7 @@ class OverReplicas:
         )
 
     def _rows(self, block_rows: int, q: int) -> tuple[int, int]:
-        return _chunk(block_rows, self.replicas, q)
+        return compat.chunk_range(block_rows, self.replicas, q)
 
     def _piece(self, x: Any, copy: bool) -> Any:
         """This rank's piece of block DTensor `x` as a DTensor over the nested placements."""

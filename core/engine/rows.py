@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from .. import _compat as compat
 from . import cache
 from .dtensor import is_dtensor
 from .packed import PackSpec
@@ -106,16 +107,9 @@ def nested_placements(mesh: Any, outer: int) -> tuple:
 
 def nested_rows(rows: int, outer: int, inner: int, o: int, i: int) -> tuple[int, int]:
     """(start, count) of piece `i` of `inner` of block `o` of `outer`, `torch.chunk` both times."""
-    start, count = _chunk(rows, outer, o)
-    first, n = _chunk(count, inner, i)
+    start, count = compat.chunk_range(rows, outer, o)
+    first, n = compat.chunk_range(count, inner, i)
     return start + first, n
-
-
-def _chunk(rows: int, parts: int, k: int) -> tuple[int, int]:
-    """(start, count) of part `k` of `torch.chunk(rows, parts)` (ceil-sized, the last ones fewer or none)."""
-    size = -(-rows // parts)
-    start = min(k * size, rows)
-    return start, min(size, rows - start)
 
 
 def placement(pairs: list[tuple[str, Any]]) -> RowShards:
@@ -187,7 +181,7 @@ def _slice_of(path: str, x: Any, world: int, rank: int) -> RowSlice:
     if not is_dtensor(x) or _replicated(x):
         return RowSlice(x.shape, (0,) * world, (x.shape[0] if x.dim() else 1,) * world, False)
     rows = x.shape[0]
-    cuts = [_chunk(rows, world, r) for r in range(world)]
+    cuts = [compat.chunk_range(rows, world, r) for r in range(world)]
     starts, counts = tuple(a for a, _ in cuts), tuple(n for _, n in cuts)
     _check_local(path, x, counts[rank])
     return RowSlice(x.shape, starts, counts, True)
